@@ -1,0 +1,3 @@
+"""selfdraft: lossless self-drafting speculative decoding for Hugging Face causal LMs."""
+
+__version__ = "0.1.0"

