@@ -63,3 +63,64 @@ class GenerationConfig:
             raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.gamma < 0:
             raise ConfigError(f"gamma must be >= 0, got {self.gamma}")
+
+
+@dataclass
+class DrafterConfig:
+    """Hyperparameters of a trained drafter (DFlash / DSpark; EAGLE-3 and MTP reuse the common ones).
+
+    Stored verbatim in the checkpoint's config.json, so a drafter rebuilds from its directory.
+    """
+
+    method: str = "dspark"  # registry name: dflash | dspark | eagle3 | mtp
+    gamma: int = 7  # block size γ: draft logits per round
+    num_layers: int = 1  # draft decoder layers (as wide as the target)
+    feature_layers: tuple[int, ...] = ()  # 0-based target layers; () = target.default_feature_layers()
+    anchor_as_first: bool = True  # DSpark layout (γ inputs -> γ drafts); False = DFlash (anchor + γ masks)
+    loss_decay: float = 4.0  # position weight w_k = exp(-(k-1)/loss_decay)
+    anchors_per_seq: int = 32  # training blocks sampled per sequence (DeepSpec: 512 on long data)
+    # DSpark heads (ignored by dflash)
+    markov_rank: int = 64  # r of the Markov head (paper 256; 0 disables the head)
+    markov_head: str = "vanilla"  # vanilla | gated | rnn
+    confidence_head: bool = True
+    w_ce: float = 0.1
+    w_tv: float = 0.9
+    w_conf: float = 1.0
+
+    def __post_init__(self) -> None:
+        self.feature_layers = tuple(self.feature_layers)
+        if self.gamma < 1 or self.num_layers < 1:
+            raise ConfigError(f"gamma and num_layers must be >= 1 (got {self.gamma}, {self.num_layers})")
+        if self.markov_head not in ("vanilla", "gated", "rnn"):
+            raise ConfigError(f"markov_head must be vanilla, gated or rnn, got {self.markov_head!r}")
+        if self.markov_rank < 0 or self.loss_decay <= 0 or self.anchors_per_seq < 1:
+            raise ConfigError("markov_rank >= 0, loss_decay > 0 and anchors_per_seq >= 1 are required")
+
+
+@dataclass
+class TrainConfig:
+    """The generic training loop's knobs (shared by every drafter kind)."""
+
+    data: str = ""  # regenerated dataset directory (see selfdraft.training.data)
+    features: str = "online"  # "online" (target runs during training) or a feature-cache directory
+    steps: int = 1000  # optimizer steps (the schedule's length)
+    token_budget: int = 0  # stop after this many training tokens (0 = no limit); fair comparisons fix it
+    batch_size: int = 4  # sequences per micro-batch
+    grad_accum: int = 1
+    max_seq_len: int = 512
+    lr: float = 6e-4
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    bf16: bool = True  # autocast on CPU
+    val_every: int = 100
+    val_batches: int = 8
+    save_every: int = 100
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.batch_size < 1 or self.grad_accum < 1:
+            raise ConfigError("steps, batch_size and grad_accum must be >= 1")
+        if self.lr <= 0:
+            raise ConfigError(f"lr must be > 0, got {self.lr}")

@@ -1,0 +1,1 @@
+"""Training: data (prompts, regeneration, features), masks, objectives (one strategy per method), loop."""

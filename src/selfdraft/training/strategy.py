@@ -1,0 +1,65 @@
+"""The contract between the generic training loop and each drafter kind.
+
+A method = one `Strategy` in `STRATEGIES`: it builds the trainable drafter module, computes its
+loss on a batch of target states, and wraps a trained module as an inference `Drafter`.
+The target's embedding and LM head are shared and frozen: drafter modules never register them
+as submodules (they receive the `Target` as an argument), so checkpoints hold drafter weights only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from selfdraft.config import DrafterConfig
+
+if TYPE_CHECKING:
+    from selfdraft.drafters.base import Drafter
+    from selfdraft.target import Target
+
+
+@dataclass
+class Batch:
+    """Target states for a micro-batch of B sequences of length T (right-padded)."""
+
+    input_ids: torch.Tensor  # [B, T] int64
+    loss_mask: torch.Tensor  # [B, T] bool: assistant tokens (predict these)
+    attention_mask: torch.Tensor  # [B, T] bool: real (non-pad) tokens
+    features: torch.Tensor  # [B, T, n_feat, H] outputs of cfg.feature_layers
+    last_hidden: torch.Tensor  # [B, T, H] final hidden state; p_t = target.lm_head(last_hidden)
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor  # scalar, differentiable
+    tokens: int  # supervised (position-weighted) targets in this batch, for tokens/s
+    metrics: dict[str, float] = field(default_factory=dict)  # "ce", "tv", "conf", "acc@1".. "acc@γ"
+
+
+class Strategy:
+    """One per method. Subclasses set `method` and implement the three hooks."""
+
+    method: str = ""
+
+    def build(self, cfg: DrafterConfig, target: "Target") -> torch.nn.Module:
+        raise NotImplementedError
+
+    def loss(
+        self, model: torch.nn.Module, batch: Batch, target: "Target", cfg: DrafterConfig, generator: torch.Generator
+    ) -> LossOutput:
+        raise NotImplementedError
+
+    def drafter(self, model: torch.nn.Module, cfg: DrafterConfig, target: "Target") -> "Drafter":
+        raise NotImplementedError
+
+
+STRATEGIES: dict[str, Strategy] = {}
+
+
+def register_strategy(strategy: Strategy) -> Strategy:
+    if strategy.method in STRATEGIES:
+        raise ValueError(f"strategy {strategy.method!r} registered twice")
+    STRATEGIES[strategy.method] = strategy
+    return strategy
