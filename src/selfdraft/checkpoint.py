@@ -1,0 +1,263 @@
+"""Drafter checkpoint directories (DESIGN section 12): save, validate, load.
+
+A checkpoint is a directory holding
+  config.json        {"format": "selfdraft-drafter", "version": 1, "method", "drafter": DrafterConfig,
+                      "target": Target.identity(), "feature_layers", "provenance"}
+  model.safetensors  the drafter's own weights only (never the target's shared embedding / LM head)
+and, when written by the trainer, trainer_state.pt (optimizer, schedule, RNG, data position) and
+train_log.jsonl. Directories are written atomically (`atomic_dir`): a kill at any moment leaves
+either the previous complete checkpoint or the new complete one, never a mix.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import subprocess
+import sys
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator, NamedTuple
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from selfdraft.config import ConfigError, DrafterConfig, from_dict
+
+if TYPE_CHECKING:
+    from selfdraft.drafters.base import Drafter
+    from selfdraft.target import Target
+
+FORMAT, VERSION = "selfdraft-drafter", 1
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint directory is missing, corrupt or made for another target; the message says what to do."""
+
+
+class DrafterModule(NamedTuple):
+    """A trainable drafter module rebuilt from a checkpoint, with the config it was built from."""
+
+    model: torch.nn.Module
+    cfg: DrafterConfig
+
+
+# ------------------------------------------------------------------ atomic directory writes
+def _siblings(final: Path) -> tuple[Path, Path]:
+    """(tmp, old): hidden siblings used while a new version of `final` is being committed."""
+    return final.with_name(f".{final.name}.tmp"), final.with_name(f".{final.name}.old")
+
+
+def recover_interrupted_save(final: str | Path) -> None:
+    """Finish or undo a commit that a kill interrupted (see `atomic_dir`'s steps).
+
+    After step 3 but before step 4, `final` is missing and `.old` holds the last complete checkpoint:
+    move it back. After step 4, `.old` is a leftover: delete it.
+    """
+    final = Path(final).resolve()
+    _, old = _siblings(final)
+    if old.exists():
+        if final.exists():
+            shutil.rmtree(old)
+        else:
+            os.replace(old, final)
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's data, or a directory's entries, to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_dir(final: str | Path) -> Iterator[Path]:
+    """Yield an empty temp dir to write into; on a clean exit it replaces `final` atomically.
+
+    POSIX cannot rename onto a non-empty directory, so the commit is:
+    1. write everything into `.NAME.tmp`; 2. fsync it (nothing of `final` has changed so far);
+    3. rename `final` -> `.NAME.old`; 4. rename `.NAME.tmp` -> `final`; 5. delete `.NAME.old`.
+    A kill between 3 and 4 leaves `final` missing and `.old` complete; `recover_interrupted_save`
+    (called by every loader and by the trainer) puts it back. An exception inside the block leaves
+    `final` untouched.
+    """
+    final = Path(final).resolve()
+    final.parent.mkdir(parents=True, exist_ok=True)
+    recover_interrupted_save(final)
+    tmp, old = _siblings(final)
+    if tmp.exists():  # a save that was killed half-way
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    yield tmp  # 1.
+    for path in [*sorted(tmp.rglob("*")), tmp]:
+        _fsync(path)  # 2.
+    if final.exists():
+        os.replace(final, old)  # 3.
+    os.replace(tmp, final)  # 4.
+    _fsync(final.parent)  # make both renames durable
+    if old.exists():
+        shutil.rmtree(old)  # 5.
+
+
+# ------------------------------------------------------------------ save
+def git_commit() -> str | None:
+    """The source tree's commit (None outside a git checkout)."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (out.stdout.strip() or None) if out.returncode == 0 else None
+
+
+def provenance(data: str, steps: int, tokens: int, **extra) -> dict:
+    """Where a checkpoint came from: command line, data, amount of training, code version, time."""
+    return {
+        "command": list(sys.argv),
+        "data": data,
+        "steps": steps,
+        "tokens": tokens,
+        "git_commit": git_commit(),
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **extra,
+    }
+
+
+def _check_no_target_weights(state: dict[str, torch.Tensor], target: "Target") -> None:
+    """The shared embedding / LM head (any target parameter) must never end up in a checkpoint.
+
+    Drafters receive the Target as an argument instead of registering its modules; a module that
+    registers one anyway shows up here as a state tensor sharing storage with a target parameter.
+    """
+    target_storages = {p.untyped_storage().data_ptr() for p in target.model.parameters()}
+    leaked = [k for k, t in state.items() if t.untyped_storage().data_ptr() in target_storages]
+    if leaked:
+        raise CheckpointError(
+            f"drafter state holds target weights {leaked}: pass the Target to the module's forward "
+            "instead of registering its embedding / LM head as a submodule"
+        )
+
+
+def write_checkpoint_files(
+    dir: Path, model: torch.nn.Module, cfg: DrafterConfig, target: "Target", provenance: dict
+) -> None:
+    """Write config.json and model.safetensors into `dir` (not atomic by itself: see `atomic_dir`)."""
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    _check_no_target_weights(state, target)
+    config = {
+        "format": FORMAT,
+        "version": VERSION,
+        "method": cfg.method,
+        "drafter": asdict(cfg),
+        "target": target.identity(),
+        "feature_layers": list(cfg.feature_layers),
+        "provenance": provenance,
+    }
+    (dir / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    save_file({k: v.cpu() for k, v in state.items()}, str(dir / WEIGHTS_FILE), metadata={"format": FORMAT})
+
+
+def save_checkpoint(dir: str | Path, model: torch.nn.Module, cfg: DrafterConfig, target: "Target", provenance: dict) -> Path:
+    """Atomically write (or replace) the drafter checkpoint directory `dir`; returns its path."""
+    if not cfg.feature_layers:
+        raise CheckpointError("save a DrafterConfig with explicit feature_layers (the trainer resolves the default)")
+    with atomic_dir(dir) as tmp:
+        write_checkpoint_files(tmp, model, cfg, target, provenance)
+    return Path(dir).resolve()
+
+
+# ------------------------------------------------------------------ load
+def read_config(dir: str | Path) -> dict:
+    """Parse and validate a checkpoint's config.json (after finishing any interrupted save)."""
+    dir = Path(dir)
+    recover_interrupted_save(dir)
+    path = dir / CONFIG_FILE
+    if not dir.is_dir():
+        raise CheckpointError(f"{dir} is not a drafter checkpoint directory (it does not exist)")
+    if not path.exists():
+        raise CheckpointError(f"{path} is missing: {dir} is not a selfdraft drafter checkpoint (train one with `selfdraft train`)")
+    try:
+        meta = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is corrupt ({e}): retrain, or restore the directory from a copy") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a {FORMAT} config (format={meta.get('format') if isinstance(meta, dict) else None!r})")
+    if meta.get("version") != VERSION:
+        raise CheckpointError(f"{path} has version {meta.get('version')!r}; this selfdraft reads version {VERSION}")
+    missing = [k for k in ("method", "drafter", "target") if k not in meta]
+    if missing:
+        raise CheckpointError(f"{path} lacks {missing}: the file is incomplete; retrain or restore it")
+    return meta
+
+
+def _describe(identity: dict) -> str:
+    return (
+        f"{identity.get('name')} (hidden {identity.get('hidden_size')}, vocab {identity.get('vocab_size')}, "
+        f"{identity.get('num_layers')} layers, fingerprint {identity.get('fingerprint')})"
+    )
+
+
+def check_target(meta: dict, target: "Target", dir: str | Path) -> None:
+    """Refuse a target other than the one the drafter was trained on; name both."""
+    trained, given = meta["target"], target.identity()
+    keys = ("hidden_size", "vocab_size", "num_layers", "fingerprint")
+    diff = [k for k in keys if trained.get(k) != given[k]]
+    if diff:
+        raise CheckpointError(
+            f"drafter {dir} was trained for target {_describe(trained)}, but the given target is "
+            f"{_describe(given)} (differs in {', '.join(diff)}): load the target it was trained on, "
+            "or train a drafter for this target with `selfdraft train`"
+        )
+
+
+def load_module(dir: str | Path, target: "Target", dtype: torch.dtype | None = None) -> DrafterModule:
+    """Rebuild the trainable module of a checkpoint (for calibration, export, resuming training).
+
+    The weights are cast to `dtype` (default: the target's dtype); the module is in eval mode.
+    """
+    from selfdraft.training.strategy import STRATEGIES
+    import selfdraft.drafters  # noqa: F401  (fills STRATEGIES)
+
+    dir = Path(dir)
+    meta = read_config(dir)
+    check_target(meta, target, dir)
+    if meta["method"] not in STRATEGIES:
+        raise CheckpointError(
+            f"{dir} holds a {meta['method']!r} drafter, which this selfdraft does not know; "
+            f"known methods: {sorted(STRATEGIES)}"
+        )
+    try:
+        cfg = from_dict(DrafterConfig, meta["drafter"])
+    except (ConfigError, TypeError) as e:
+        raise CheckpointError(f"{dir / CONFIG_FILE}: invalid drafter config: {e}") from e
+    weights = dir / WEIGHTS_FILE
+    if not weights.exists():
+        raise CheckpointError(f"{weights} is missing: the checkpoint is incomplete; retrain or restore it")
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{weights} is corrupt or truncated ({e}): retrain, or restore it from a copy") from e
+    strategy = STRATEGIES[cfg.method]
+    model = strategy.build(cfg, target)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"{weights} does not match the {cfg.method} module its config.json describes: {e}") from e
+    model = model.to(dtype or target.model.dtype).eval()
+    return DrafterModule(model, cfg)
+
+
+def load_checkpoint(dir: str | Path, target: "Target") -> "Drafter":
+    """A trained drafter directory -> an inference `Drafter` for `target` (which must be its target)."""
+    from selfdraft.training.strategy import STRATEGIES
+
+    model, cfg = load_module(dir, target)
+    return STRATEGIES[cfg.method].drafter(model, cfg, target)

@@ -1,0 +1,369 @@
+"""The one generic training loop, shared by every drafter kind (a `Strategy` supplies the loss).
+
+nanoGPT style: `train()` is the whole loop on one screen, with numbered steps. The target is
+frozen and runs online under no-grad to give each micro-batch its feature-layer and last hidden
+states; only the drafter's parameters are optimised (AdamW, linear warmup + cosine, gradient
+clipping, bf16 autocast, gradient accumulation). A checkpoint (DESIGN section 12) plus
+`trainer_state.pt` (optimizer, step, tokens, RNG, data position) is written atomically every
+`save_every` steps, so `resume=True` continues the exact same run after a kill.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tqdm import tqdm
+
+from selfdraft.checkpoint import (
+    CONFIG_FILE,
+    atomic_dir,
+    check_target,
+    load_module,
+    provenance,
+    read_config,
+    recover_interrupted_save,
+    write_checkpoint_files,
+)
+from selfdraft.config import ConfigError, DrafterConfig, TrainConfig, from_dict
+from selfdraft.target import Target
+from selfdraft.training.strategy import STRATEGIES, Batch, LossOutput, Strategy
+
+STATE_FILE, LOG_FILE = "trainer_state.pt", "train_log.jsonl"
+# TrainConfig fields that define the optimisation trajectory: a resumed run must keep them.
+# (steps, token_budget, val/save cadence and the data path may change: e.g. to train longer.)
+TRAJECTORY_KEYS = (
+    "batch_size", "grad_accum", "max_seq_len", "lr", "warmup_steps", "min_lr_ratio",
+    "weight_decay", "grad_clip", "bf16", "seed",
+)  # fmt: skip
+
+
+# ------------------------------------------------------------------ results and logs
+@dataclass
+class StepLog:
+    step: int  # optimizer steps done, counting this one
+    lr: float
+    loss: float  # mean over the step's micro-batches
+    tokens: int  # sequence tokens consumed so far (the token budget counts these)
+    grad_norm: float
+    tokens_per_s: float
+    metrics: dict[str, float] = field(default_factory=dict)  # the strategy's: "ce", "acc@1", ...
+
+
+@dataclass
+class ValLog:
+    step: int
+    loss: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class TrainResult:
+    out_dir: Path
+    steps: int
+    tokens: int
+    stopped_by: str  # "steps" | "token_budget"
+    resumed_from: int  # step the run resumed at (0 = fresh start)
+    elapsed_s: float  # this invocation only
+    history: list[StepLog] = field(default_factory=list)  # every step, including those before a resume
+    val: list[ValLog] = field(default_factory=list)
+
+    @property
+    def final_val(self) -> ValLog | None:
+        return self.val[-1] if self.val else None
+
+
+# ------------------------------------------------------------------ data
+@dataclass
+class Sequence:
+    input_ids: list[int]
+    loss_mask: list[int]  # 1 = assistant token (supervised)
+
+
+def load_sequences(data_dir: str | Path, split: str, max_seq_len: int) -> list[Sequence]:
+    """The dataset's `split` records (JSONL shards, see selfdraft.training.data), truncated to max_seq_len.
+
+    Records with nothing left to supervise after truncation are dropped.
+    """
+    from selfdraft.training.data import load_records
+
+    seqs = []
+    for rec in load_records(data_dir, split):
+        ids, mask = rec["input_ids"][:max_seq_len], rec["loss_mask"][:max_seq_len]
+        if len(ids) >= 2 and any(mask[1:]):
+            seqs.append(Sequence(ids, mask))
+    return seqs
+
+
+@dataclass
+class DataCursor:
+    """Position in the training stream: epoch e visits the sequences in a permutation seeded by (seed, e)."""
+
+    epoch: int = 0
+    index: int = 0  # next position within the epoch's permutation
+
+    def take(self, n_items: int, count: int, seed: int) -> list[int]:
+        """Indices of the next `count` sequences; advances the cursor across epoch boundaries."""
+        out: list[int] = []
+        while len(out) < count:
+            perm = torch.randperm(n_items, generator=torch.Generator().manual_seed(seed * 1_000_003 + self.epoch))
+            take = perm[self.index : self.index + count - len(out)].tolist()
+            out += take
+            self.index += len(take)
+            if self.index >= n_items:
+                self.epoch, self.index = self.epoch + 1, 0
+        return out
+
+
+def make_batch(seqs: list[Sequence], target: Target, feature_layers: tuple[int, ...]) -> Batch:
+    """Right-pad B sequences to the longest (T) and run the frozen target on them (no grad).
+
+    Features and last hidden states come back in float32 as ordinary (non-inference) tensors, so
+    drafter modules with float32 master weights can use and backpropagate through them.
+    """
+    device = target.model.device
+    T = max(len(s.input_ids) for s in seqs)
+    ids = torch.zeros(len(seqs), T, dtype=torch.long)  # [B, T]; pad id 0 is never attended
+    loss_mask = torch.zeros(len(seqs), T, dtype=torch.bool)
+    attn = torch.zeros(len(seqs), T, dtype=torch.bool)
+    for b, s in enumerate(seqs):
+        n = len(s.input_ids)
+        ids[b, :n] = torch.tensor(s.input_ids)
+        loss_mask[b, :n] = torch.tensor(s.loss_mask, dtype=torch.bool)
+        attn[b, :n] = True
+    ids, loss_mask, attn = ids.to(device), loss_mask.to(device), attn.to(device)
+    step = target.forward(ids, None, feature_layers, attention_mask=attn.long())
+    return Batch(
+        input_ids=ids,
+        loss_mask=loss_mask & attn,
+        attention_mask=attn,
+        features=step.features.to(torch.float32, copy=True),  # [B, T, n_feat, H]
+        last_hidden=step.last_hidden.to(torch.float32, copy=True),  # [B, T, H]
+    )
+
+
+# ------------------------------------------------------------------ schedule
+def lr_at(step: int, tokens: int, cfg: TrainConfig) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warmup, then cosine down to min_lr_ratio.
+
+    The cosine follows the run's progress, the larger of step/steps and tokens/token_budget, so it
+    ends where training stops whichever limit is hit first. A pure function of (step, tokens):
+    resuming needs no scheduler state.
+    """
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    if cfg.token_budget:
+        progress = max(progress, tokens / cfg.token_budget)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine)
+
+
+# ------------------------------------------------------------------ the loop
+def train(
+    target: Target,
+    drafter_cfg: DrafterConfig,
+    train_cfg: TrainConfig,
+    out_dir: str | Path,
+    strategy: Strategy | None = None,
+    resume: bool = True,
+    on_step: Callable[[StepLog], None] | None = None,
+) -> TrainResult:
+    """Train a drafter of kind `drafter_cfg.method` on `train_cfg.data`; the checkpoint goes to `out_dir`.
+
+    `strategy` defaults to STRATEGIES[drafter_cfg.method]. `on_step` is called after every optimizer
+    step (and after that step's checkpoint, if any): for logging, or to stop a run in tests.
+    """
+    t_start = time.perf_counter()
+    out_dir = Path(out_dir).resolve()
+    # 1. Resolve the method, the feature layers and the data.
+    strategy = strategy or _strategy(drafter_cfg.method)
+    if strategy.method != drafter_cfg.method:
+        raise ConfigError(f"strategy {strategy.method!r} does not match drafter_cfg.method {drafter_cfg.method!r}")
+    if train_cfg.features != "online":
+        raise ConfigError(f"features={train_cfg.features!r}: the trainer computes target features online only (use 'online')")
+    if target.model.dtype != torch.float32 and not train_cfg.bf16:
+        raise ConfigError(f"a {target.model.dtype} target needs bf16 autocast: enable bf16, or load the target in float32")
+    cfg = replace(drafter_cfg, feature_layers=drafter_cfg.feature_layers or target.default_feature_layers())
+    train_seqs = load_sequences(train_cfg.data, "train", train_cfg.max_seq_len)
+    val_seqs = load_sequences(train_cfg.data, "val", train_cfg.max_seq_len)[: train_cfg.val_batches * train_cfg.batch_size]
+    if not train_seqs:
+        raise ConfigError(f"{train_cfg.data} has no usable train records (need >= 2 tokens and a supervised token)")
+
+    # 2. Build the drafter (float32 master weights; autocast runs it in bf16) and its optimizer.
+    torch.manual_seed(train_cfg.seed)
+    gen = torch.Generator().manual_seed(train_cfg.seed)  # the strategy's sampling (anchors, ...)
+    cursor, step, tokens, history, val_log = DataCursor(), 0, 0, [], []
+    state_path = out_dir / STATE_FILE
+    recover_interrupted_save(out_dir)
+    if resume and (out_dir / CONFIG_FILE).exists():
+        # 3. Resume: weights, optimizer moments, step, tokens, RNG and data position.
+        state = _check_resumable(out_dir, target, cfg, train_cfg, len(train_seqs))
+        model = load_module(out_dir, target, dtype=torch.float32).model
+        opt = _optimizer(model, train_cfg)
+        opt.load_state_dict(state["optimizer"])
+        step, tokens = state["step"], state["tokens"]
+        cursor = DataCursor(state["epoch"], state["index"])
+        gen.set_state(state["generator"])
+        torch.set_rng_state(state["torch_rng"])
+        history, val_log = _read_log(out_dir / LOG_FILE, step)
+    else:
+        model = strategy.build(cfg, target).to(device=target.model.device, dtype=torch.float32)
+        opt = _optimizer(model, train_cfg)
+    resumed_from = step
+    model.train()
+    autocast = torch.autocast(target.model.device.type, dtype=torch.bfloat16, enabled=train_cfg.bf16)
+
+    def save() -> None:
+        state = {"step": step, "tokens": tokens, "epoch": cursor.epoch, "index": cursor.index,
+                 "n_train": len(train_seqs), "train": asdict(train_cfg), "optimizer": opt.state_dict(),
+                 "generator": gen.get_state(), "torch_rng": torch.get_rng_state()}  # fmt: skip
+        with atomic_dir(out_dir) as tmp:
+            prov = provenance(train_cfg.data, step, tokens, train=asdict(train_cfg))
+            write_checkpoint_files(tmp, model, cfg, target, prov)
+            torch.save(state, tmp / STATE_FILE)
+            _write_log(tmp / LOG_FILE, history, val_log)
+
+    def validate() -> None:
+        if val_seqs:
+            val_log.append(_validate(model, strategy, target, cfg, train_cfg, val_seqs, autocast, step))
+            v = val_log[-1]
+            bar.write(f"step {step}: val loss {v.loss:.4f} " + " ".join(f"{k} {x:.3f}" for k, x in v.metrics.items()))
+
+    bar = tqdm(total=train_cfg.steps, initial=step, desc=f"train {cfg.method}", dynamic_ncols=True, disable=None)
+    budget_left = lambda: not train_cfg.token_budget or tokens < train_cfg.token_budget  # noqa: E731
+    while step < train_cfg.steps and budget_left():
+        # 4. One optimizer step: lr from the schedule, grad_accum micro-batches, clip, update.
+        t0 = time.perf_counter()
+        lr = lr_at(step, tokens, train_cfg)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        step_tokens, outs = 0, []
+        for _ in range(train_cfg.grad_accum):
+            seqs = [train_seqs[i] for i in cursor.take(len(train_seqs), train_cfg.batch_size, train_cfg.seed)]
+            batch = make_batch(seqs, target, cfg.feature_layers)
+            with autocast:
+                out = strategy.loss(model, batch, target, cfg, gen)
+            (out.loss / train_cfg.grad_accum).backward()
+            outs.append(out)
+            step_tokens += int(batch.attention_mask.sum())
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), train_cfg.grad_clip or float("inf"))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step, tokens = step + 1, tokens + step_tokens
+
+        # 5. Log, validate, checkpoint.
+        loss, metrics = _mean_outputs(outs)
+        log = StepLog(step, lr, loss, tokens, float(grad_norm), step_tokens / (time.perf_counter() - t0), metrics)
+        history.append(log)
+        shown = {k: f"{v:.3f}" for k, v in metrics.items() if k in ("acc@1", "acc@2", "acc@3")}
+        bar.set_postfix(loss=f"{loss:.4f}", **shown, tok_s=f"{log.tokens_per_s:.0f}", lr=f"{lr:.2e}")
+        bar.update(1)
+        if train_cfg.val_every and step % train_cfg.val_every == 0:
+            validate()
+        if train_cfg.save_every and step % train_cfg.save_every == 0:
+            save()
+        if on_step:
+            on_step(log)
+    bar.close()
+
+    # 6. Final validation and checkpoint (unless this step already had them).
+    if step > resumed_from or not (out_dir / STATE_FILE).exists():
+        if not (val_log and val_log[-1].step == step):
+            validate()
+        if not (train_cfg.save_every and step % train_cfg.save_every == 0):
+            save()
+    return TrainResult(
+        out_dir=out_dir,
+        steps=step,
+        tokens=tokens,
+        stopped_by="steps" if step >= train_cfg.steps else "token_budget",
+        resumed_from=resumed_from,
+        elapsed_s=time.perf_counter() - t_start,
+        history=history,
+        val=val_log,
+    )
+
+
+# ------------------------------------------------------------------ helpers
+def _strategy(method: str) -> Strategy:
+    import selfdraft.drafters  # noqa: F401  (importing the drafter kinds fills STRATEGIES)
+
+    if method not in STRATEGIES:
+        raise ConfigError(f"unknown training method {method!r}; valid methods: {sorted(STRATEGIES)}")
+    return STRATEGIES[method]
+
+
+def _optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over the drafter's trainable parameters only (the target is frozen and not a submodule)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ConfigError("the drafter module has no trainable parameters")
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+
+
+def _mean_outputs(outs: list[LossOutput]) -> tuple[float, dict[str, float]]:
+    """Mean loss and mean of each metric over micro-batches."""
+    loss = sum(float(o.loss.detach()) for o in outs) / len(outs)
+    keys = sorted({k for o in outs for k in o.metrics}, key=lambda k: (k.split("@")[0], len(k), k))
+    return loss, {k: sum(o.metrics.get(k, 0.0) for o in outs) / len(outs) for k in keys}
+
+
+@torch.no_grad()
+def _validate(model, strategy, target, cfg, train_cfg, val_seqs, autocast, step) -> ValLog:
+    """Mean loss and metrics on the fixed validation sequences, with a fixed sampling seed.
+
+    A separate generator keeps validation from changing the training run's random stream.
+    """
+    model.eval()
+    gen = torch.Generator().manual_seed(train_cfg.seed + 1)
+    outs = []
+    for i in range(0, len(val_seqs), train_cfg.batch_size):
+        batch = make_batch(val_seqs[i : i + train_cfg.batch_size], target, cfg.feature_layers)
+        with autocast:
+            outs.append(strategy.loss(model, batch, target, cfg, gen))
+    model.train()
+    loss, metrics = _mean_outputs(outs)
+    return ValLog(step, loss, metrics)
+
+
+def _check_resumable(out_dir: Path, target: Target, cfg: DrafterConfig, train_cfg: TrainConfig, n_train: int) -> dict:
+    """Load trainer_state.pt after checking the checkpoint continues *this* run; say how to proceed if not."""
+    meta = read_config(out_dir)
+    check_target(meta, target, out_dir)
+    if not (out_dir / STATE_FILE).exists():
+        raise ConfigError(f"{out_dir} holds a drafter without {STATE_FILE}: it cannot be resumed; pass --no-resume to overwrite it")
+    saved = from_dict(DrafterConfig, meta["drafter"])
+    if saved != cfg:
+        diff = {k: (v, getattr(cfg, k)) for k, v in asdict(saved).items() if v != getattr(cfg, k)}
+        raise ConfigError(f"{out_dir} was trained with another drafter config (saved, now): {diff}; use the same settings, or --no-resume")
+    state = torch.load(out_dir / STATE_FILE, weights_only=True)
+    diff = {k: (state["train"][k], getattr(train_cfg, k)) for k in TRAJECTORY_KEYS if state["train"][k] != getattr(train_cfg, k)}
+    if diff:
+        raise ConfigError(f"resuming {out_dir} with other training settings (saved, now): {diff}; use the saved ones, or --no-resume")
+    if state["n_train"] != n_train:
+        raise ConfigError(f"the training data changed since {out_dir} was saved ({state['n_train']} -> {n_train} sequences); use --no-resume")
+    return state
+
+
+def _write_log(path: Path, history: list[StepLog], val: list[ValLog]) -> None:
+    lines = [json.dumps({"kind": "train", **asdict(h)}) for h in history]
+    lines += [json.dumps({"kind": "val", **asdict(v)}) for v in val]
+    path.write_text("".join(line + "\n" for line in lines))
+
+
+def _read_log(path: Path, upto: int) -> tuple[list[StepLog], list[ValLog]]:
+    """The history of the run being resumed, up to its saved step."""
+    history, val = [], []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            kind = rec.pop("kind")
+            if rec["step"] <= upto:
+                (history.append(StepLog(**rec)) if kind == "train" else val.append(ValLog(**rec)))
+    return history, val

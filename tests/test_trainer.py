@@ -1,0 +1,116 @@
+"""The generic training loop on a tiny random target with a toy strategy (tests/toy_training.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from selfdraft.config import ConfigError, DrafterConfig, TrainConfig
+from selfdraft.target import Target
+from selfdraft.training.trainer import STATE_FILE, lr_at, train
+from tests.conftest import tiny_llama
+from tests.toy_training import TOY, toy_method, write_dataset  # noqa: F401  (fixture)
+
+
+@pytest.fixture
+def tiny_target() -> Target:
+    """A peaked output layer, so a tiny drafter can reach confident predictions in a few steps."""
+    return Target(tiny_llama(peaked=4.0))
+
+
+@pytest.fixture
+def data(tmp_path):
+    return write_dataset(tmp_path / "data")
+
+
+def cfgs(data, **train_overrides) -> tuple[DrafterConfig, TrainConfig]:
+    train = dict(data=str(data), steps=10, batch_size=4, max_seq_len=32, lr=1e-2, warmup_steps=3,
+                 val_every=5, val_batches=1, save_every=5, seed=0, bf16=False)  # fmt: skip
+    return DrafterConfig(method=TOY, feature_layers=(1, 2)), TrainConfig(**{**train, **train_overrides})
+
+
+class Kill(Exception):
+    """Stands in for a kill -9 in the middle of a run."""
+
+
+def test_loss_goes_down(toy_method, tiny_target, data, tmp_path):
+    dcfg, tcfg = cfgs(data, steps=30, save_every=0, val_every=10, lr=5e-2)
+    res = train(tiny_target, dcfg, tcfg, tmp_path / "out")
+    losses = [h.loss for h in res.history]
+    assert res.steps == 30 and res.stopped_by == "steps" and len(losses) == 30
+    assert sum(losses[-3:]) / 3 < 0.7 * sum(losses[:3]) / 3
+    assert [v.step for v in res.val] == [10, 20, 30] and res.val[-1].loss < res.val[0].loss
+    assert "acc@1" in res.history[-1].metrics and res.history[-1].tokens_per_s > 0
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert saved["method"] == TOY and saved["provenance"]["steps"] == 30 and saved["feature_layers"] == [1, 2]
+
+
+def test_resume_after_kill_matches_uninterrupted_run(toy_method, tiny_target, data, tmp_path):
+    dcfg, tcfg = cfgs(data, grad_accum=2)
+    full = train(tiny_target, dcfg, tcfg, tmp_path / "full")
+
+    def kill_at_7(log):
+        if log.step == 7:
+            raise Kill
+
+    with pytest.raises(Kill):
+        train(tiny_target, dcfg, tcfg, tmp_path / "killed", on_step=kill_at_7)
+    assert torch.load(tmp_path / "killed" / STATE_FILE, weights_only=True)["step"] == 5
+    resumed = train(tiny_target, dcfg, tcfg, tmp_path / "killed")
+
+    assert resumed.resumed_from == 5 and resumed.steps == 10 and resumed.tokens == full.tokens
+    assert [h.lr for h in resumed.history] == [h.lr for h in full.history]  # the schedule continued
+    assert [h.loss for h in resumed.history] == [h.loss for h in full.history]  # same data, same RNG
+    a, b = load_file(tmp_path / "full" / "model.safetensors"), load_file(tmp_path / "killed" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    sa = torch.load(tmp_path / "full" / STATE_FILE, weights_only=True)
+    sb = torch.load(tmp_path / "killed" / STATE_FILE, weights_only=True)
+    assert (sa["epoch"], sa["index"]) == (sb["epoch"], sb["index"])
+    assert torch.equal(sa["generator"], sb["generator"])
+
+
+def test_resume_refuses_a_different_trajectory(toy_method, tiny_target, data, tmp_path):
+    dcfg, tcfg = cfgs(data, steps=5)
+    train(tiny_target, dcfg, tcfg, tmp_path / "out")
+    with pytest.raises(ConfigError, match="lr"):
+        train(tiny_target, dcfg, cfgs(data, steps=8, lr=3e-3)[1], tmp_path / "out")
+    longer = train(tiny_target, dcfg, cfgs(data, steps=8)[1], tmp_path / "out")  # training longer is fine
+    assert longer.resumed_from == 5 and longer.steps == 8
+    fresh = train(tiny_target, dcfg, cfgs(data, steps=2)[1], tmp_path / "out", resume=False)
+    assert fresh.resumed_from == 0 and fresh.steps == 2
+
+
+def test_token_budget_stops_training(toy_method, tiny_target, data, tmp_path):
+    dcfg, tcfg = cfgs(data, steps=100, token_budget=300, save_every=0, val_every=0)
+    res = train(tiny_target, dcfg, tcfg, tmp_path / "out")
+    assert res.stopped_by == "token_budget" and res.tokens >= 300 and res.steps < 100
+    assert res.history[-2].tokens < 300
+
+
+def test_lr_schedule():
+    cfg = TrainConfig(steps=100, lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_at(0, 0, cfg) == pytest.approx(0.1) and lr_at(9, 0, cfg) == pytest.approx(1.0)
+    assert lr_at(10, 0, cfg) == pytest.approx(1.0) and lr_at(100, 0, cfg) == pytest.approx(0.1)
+    assert lr_at(55, 0, cfg) == pytest.approx(0.55)  # cosine midpoint
+    budget = TrainConfig(steps=100, lr=1.0, warmup_steps=0, min_lr_ratio=0.0, token_budget=1000)
+    assert lr_at(1, 500, budget) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))  # tokens lead
+
+
+def test_trains_with_a_bfloat16_target(toy_method, data, tmp_path):
+    target = Target(tiny_llama(peaked=4.0).to(torch.bfloat16))
+    dcfg, tcfg = cfgs(data, steps=3, save_every=0, val_every=0)
+    with pytest.raises(ConfigError, match="autocast"):
+        train(target, dcfg, tcfg, tmp_path / "out")
+    res = train(target, dcfg, cfgs(data, steps=3, save_every=0, val_every=0, bf16=True)[1], tmp_path / "out")
+    assert all(math.isfinite(h.loss) for h in res.history)
+    assert load_file(tmp_path / "out" / "model.safetensors")["fc.weight"].dtype == torch.float32
+
+
+def test_unknown_method_lists_valid_ones(tiny_target, data, tmp_path):
+    dcfg, tcfg = cfgs(data)
+    with pytest.raises(ConfigError, match="valid methods"):
+        train(tiny_target, DrafterConfig(method="nope"), tcfg, tmp_path / "out")
