@@ -133,5 +133,103 @@ def demo(
           f"speedup {spec.tokens_per_s / base.tokens_per_s:.2f}x | outputs {same}")
 
 
+# ---------------------------------------------------------------- train (the generic training loop)
+def _int_list(text: str, option: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError(f"{option} takes comma-separated integers, e.g. 1,8,14,20,27; got {text!r}") from None
+
+
+def _train_configs(config_file: Optional[Path], drafter_opts: dict, train_opts: dict):
+    """--config JSON {"drafter": {...}, "train": {...}} overlaid with the options actually given.
+
+    Unknown keys raise (config.from_dict), in the file as on the command line.
+    """
+    from selfdraft.config import DrafterConfig, TrainConfig, from_dict
+
+    file = json.loads(config_file.read_text()) if config_file else {}
+    if not isinstance(file, dict) or set(file) - {"drafter", "train"}:
+        raise ConfigError(f"{config_file}: expected an object with keys 'drafter' and/or 'train', got {sorted(file)}")
+    given = lambda opts: {k: v for k, v in opts.items() if v is not None}  # noqa: E731
+    dcfg = from_dict(DrafterConfig, {**file.get("drafter", {}), **given(drafter_opts)})
+    tcfg = from_dict(TrainConfig, {**file.get("train", {}), **given(train_opts)})
+    if not tcfg.data:
+        raise ConfigError("no training data: pass --data DIR (from `selfdraft data regenerate`) or set train.data in --config")
+    return dcfg, tcfg
+
+
+@app.command("train")
+def train_cmd(
+    out: Path = typer.Option(..., "--out", "-o", help="checkpoint directory (then: --drafter OUT)"),
+    method: Optional[str] = typer.Option(None, "--method", "-m", help="dflash | dspark | ... (default: dspark)"),
+    target: Optional[str] = TargetOpt,
+    data: Optional[str] = typer.Option(None, "--data", help="regenerated dataset directory"),
+    config: Optional[Path] = typer.Option(None, "--config", help='JSON {"drafter": {...}, "train": {...}}; options override it'),
+    gamma: Optional[int] = typer.Option(None, "--gamma", help="block size γ (draft tokens per round)"),
+    layers: Optional[int] = typer.Option(None, "--layers", help="draft decoder layers"),
+    feature_layers: Optional[str] = typer.Option(None, "--feature-layers", help="target layers, e.g. 1,8,14,20,27"),
+    anchor_as_first: Optional[bool] = typer.Option(None, "--anchor-as-first/--anchor-plus-masks", help="DSpark / DFlash block layout"),
+    markov_rank: Optional[int] = typer.Option(None, "--markov-rank", help="Markov head rank r (0 = off)"),
+    markov_head: Optional[str] = typer.Option(None, "--markov-head", help="vanilla | gated | rnn"),
+    confidence_head: Optional[bool] = typer.Option(None, "--confidence-head/--no-confidence-head"),
+    w_ce: Optional[float] = typer.Option(None, "--w-ce", help="cross-entropy loss weight"),
+    w_tv: Optional[float] = typer.Option(None, "--w-tv", help="total-variation loss weight"),
+    w_conf: Optional[float] = typer.Option(None, "--w-conf", help="confidence (BCE) loss weight"),
+    loss_decay: Optional[float] = typer.Option(None, "--loss-decay", help="position weight exp(-(k-1)/decay)"),
+    anchors_per_seq: Optional[int] = typer.Option(None, "--anchors-per-seq"),
+    lr: Optional[float] = typer.Option(None, "--lr"),
+    steps: Optional[int] = typer.Option(None, "--steps", help="optimizer steps (the schedule's length)"),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", "-b", help="sequences per micro-batch"),
+    grad_accum: Optional[int] = typer.Option(None, "--grad-accum"),
+    max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len"),
+    token_budget: Optional[int] = typer.Option(None, "--token-budget", help="stop after N sequence tokens (0 = off)"),
+    warmup_steps: Optional[int] = typer.Option(None, "--warmup-steps"),
+    min_lr_ratio: Optional[float] = typer.Option(None, "--min-lr-ratio"),
+    weight_decay: Optional[float] = typer.Option(None, "--weight-decay"),
+    grad_clip: Optional[float] = typer.Option(None, "--grad-clip", help="0 = off"),
+    val_every: Optional[int] = typer.Option(None, "--val-every", help="0 = only at the end"),
+    val_batches: Optional[int] = typer.Option(None, "--val-batches"),
+    save_every: Optional[int] = typer.Option(None, "--save-every", help="0 = only at the end"),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    bf16: Optional[bool] = typer.Option(None, "--bf16/--no-bf16", help="bf16 autocast (default on)"),
+    features: Optional[str] = typer.Option(None, "--features", help="online (target runs during training)"),
+    resume: bool = typer.Option(True, "--resume/--no-resume", help="continue the run saved in --out"),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
+    dtype: str = DtypeOpt,
+) -> None:
+    """Train a self-drafter on the target's own answers; the checkpoint loads with `--drafter OUT`."""
+    import torch
+
+    from selfdraft.target import Target, TargetError
+    from selfdraft.training.data import DataError
+    from selfdraft.training.trainer import strategy_for
+    from selfdraft.training.trainer import train as run_training
+
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        layer_ids = _int_list(feature_layers, "--feature-layers") if feature_layers else None
+        dcfg, tcfg = _train_configs(
+            config,
+            dict(method=method, gamma=gamma, num_layers=layers, feature_layers=layer_ids, anchor_as_first=anchor_as_first,
+                 markov_rank=markov_rank, markov_head=markov_head, confidence_head=confidence_head, w_ce=w_ce,
+                 w_tv=w_tv, w_conf=w_conf, loss_decay=loss_decay, anchors_per_seq=anchors_per_seq),
+            dict(data=data, features=features, steps=steps, token_budget=token_budget, batch_size=batch_size,
+                 grad_accum=grad_accum, max_seq_len=max_seq_len, lr=lr, warmup_steps=warmup_steps,
+                 min_lr_ratio=min_lr_ratio, weight_decay=weight_decay, grad_clip=grad_clip, bf16=bf16,
+                 val_every=val_every, val_batches=val_batches, save_every=save_every, seed=seed),
+        )  # fmt: skip
+        strategy_for(dcfg.method)  # fail on an unknown method before loading the target
+        tgt = Target.load(target, dtype=dtype)
+        res = run_training(tgt, dcfg, tcfg, out, resume=resume)
+    except (ConfigError, TargetError, DataError, OSError, json.JSONDecodeError) as e:
+        _fail(str(e))
+    val = f", val loss {res.final_val.loss:.4f}" if res.final_val else ""
+    print(f"{dcfg.method}: {res.steps} steps, {res.tokens} tokens (stopped by {res.stopped_by}){val}, "
+          f"{res.elapsed_s:.0f}s -> {res.out_dir}\nuse it: selfdraft generate --drafter {res.out_dir} -p '...'",
+          file=sys.stderr)
+
+
 if __name__ == "__main__":
     app()
