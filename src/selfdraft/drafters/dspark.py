@@ -1,0 +1,172 @@
+"""DSpark = DFlash backbone + Markov head + confidence head (DESIGN section 7).
+
+Draft distribution p_k(v | x_0, x_<k) = softmax(U_k + B_k)(v): U_k the backbone logits, B_k a
+low-rank bias from the previous token x_{k-1} (x_0 = the anchor). Locally normalised, so the q_k
+handed to verification is exact. Heads (r = cfg.markov_rank, d = hidden size):
+  vanilla  e_k = W1[x_{k-1}]
+  gated    e_k = σ(W_g [h_k; W1[x_{k-1}]]) ⊙ W1[x_{k-1}]
+  rnn      [g; c; o] = W_z [s_{k-1}; W1[x_{k-1}]; h_k],  s_k = σ(g)⊙s_{k-1} + (1-σ(g))⊙tanh(c),
+           e_k = tanh(o),  s_0 = 0
+  B_k = W2 e_k (W2 starts at zero, so training starts from DFlash).
+Confidence: c_k = σ(z_k / T_k), z_k = w^T [h_k; W1[x_{k-1}]] (just h_k when r = 0); T_k = 1 until
+calibrated (Sequential Temperature Scaling). Training is teacher forced; inference is serial.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from selfdraft.config import DrafterConfig
+from selfdraft.drafters.dflash import (
+    DFlashModel,
+    DFlashStrategy,
+    DraftBlock,
+    Pick,
+    lm_logits,
+    resolve_feature_layers,
+    teacher_forced_blocks,
+)
+from selfdraft.drafters.layers import LayerShape
+from selfdraft.target import Target
+from selfdraft.training.objectives import (
+    accuracy_at_k,
+    confidence_labels,
+    l1_distance,
+    position_weights,
+    target_probs,
+    weighted_mean,
+)
+from selfdraft.training.strategy import Batch, LossOutput, register_strategy
+
+
+class MarkovHead(nn.Module):
+    """e_k (rank-r summary of x_{k-1}, and h_k / s_{k-1} for gated / rnn); B_k = W2 e_k."""
+
+    def __init__(self, kind: str, vocab: int, rank: int, hidden: int) -> None:
+        super().__init__()
+        self.kind, self.rank = kind, rank
+        self.W1 = nn.Embedding(vocab, rank)
+        self.W2 = nn.Linear(rank, vocab, bias=False)
+        nn.init.zeros_(self.W2.weight)
+        if kind == "gated":
+            self.W_g = nn.Linear(hidden + rank, rank)
+        if kind == "rnn":
+            self.W_z = nn.Linear(2 * rank + hidden, 3 * rank)
+
+    def step(
+        self, h: torch.Tensor, prev: torch.Tensor, s: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """h: [..., d], prev: [...] x_{k-1}, s: [..., r] s_{k-1} (rnn only) -> (e_k [..., r], s_k)."""
+        w1 = self.W1(prev)  # [..., r]
+        if self.kind == "vanilla":
+            return w1, None
+        if self.kind == "gated":
+            return torch.sigmoid(self.W_g(torch.cat([h, w1], -1))) * w1, None
+        g, c, o = self.W_z(torch.cat([s, w1, h], -1)).chunk(3, dim=-1)
+        s = torch.sigmoid(g) * s + (1 - torch.sigmoid(g)) * torch.tanh(c)
+        return torch.tanh(o), s
+
+    def teacher_forced(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """h: [..., γ, d], prev: [..., γ] ground-truth x_{k-1} -> e: [..., γ, r] (parallel over k,
+        except the rnn recurrence, which runs γ tiny steps)."""
+        if self.kind != "rnn":
+            return self.step(h, prev, None)[0]
+        s = h.new_zeros(*h.shape[:-2], self.rank)
+        out = []
+        for k in range(h.shape[-2]):
+            e, s = self.step(h[..., k, :], prev[..., k], s)
+            out.append(e)
+        return torch.stack(out, dim=-2)
+
+
+@dataclass
+class HeadOut:
+    e: torch.Tensor | None  # [..., γ, r] Markov features (B_k = W2 e_k), None when r = 0
+    z: torch.Tensor | None  # [..., γ] confidence logits, None without a confidence head
+
+
+class DSparkModel(DFlashModel):
+    def __init__(self, cfg: DrafterConfig, shape: LayerShape, vocab: int) -> None:
+        super().__init__(cfg, shape)
+        r = cfg.markov_rank
+        self.markov = MarkovHead(cfg.markov_head, vocab, r, shape.hidden) if r > 0 else None
+        self.confidence = nn.Linear(shape.hidden + r, 1) if cfg.confidence_head else None
+        self.register_buffer("conf_temperature", torch.ones(cfg.gamma))  # T_k, set by calibration
+
+    def _conf_logit(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """z_k = w^T [h_k; W1[x_{k-1}]]: [..., d], [...] -> [...]."""
+        x = h if self.markov is None else torch.cat([h, self.markov.W1(prev)], -1)
+        return self.confidence(x).squeeze(-1)
+
+    def heads(self, h: torch.Tensor, prev: torch.Tensor) -> HeadOut:
+        """Teacher forced: h [..., γ, d], prev [..., γ] ground-truth x_{k-1} -> HeadOut."""
+        e = None if self.markov is None else self.markov.teacher_forced(h, prev)
+        z = None if self.confidence is None else self._conf_logit(h, prev)
+        return HeadOut(e, z)
+
+    def decode_block(self, h: torch.Tensor, U: torch.Tensor, x0: int, pick: Pick) -> DraftBlock:
+        """Serial decode (inference): h [γ, d], U [γ, V] float32, x0 the anchor.
+
+        For k = 1..γ: 1. e_k, s_k from (h_k, x_{k-1}, s_{k-1}); 2. logits_k = U_k + W2 e_k;
+        3. c_k = σ(z_k / T_k); 4. x_k = pick(logits_k); x_{k-1} <- x_k.
+        """
+        g = U.shape[0]
+        prev = torch.tensor(x0, device=h.device)
+        s = None if self.markov is None else h.new_zeros(self.markov.rank)
+        tokens, logits, conf = [], [], []
+        for k in range(g):
+            logit = U[k]
+            if self.markov is not None:
+                e, s = self.markov.step(h[k], prev, s)  # [r]
+                logit = logit + self.markov.W2(e).float()  # [V]
+            if self.confidence is not None:
+                conf.append(torch.sigmoid(self._conf_logit(h[k], prev).float() / self.conf_temperature[k]))
+            prev = torch.tensor(pick(k, logit), device=h.device)
+            tokens.append(prev)
+            logits.append(logit)
+        return DraftBlock(torch.stack(tokens), torch.stack(logits), torch.stack(conf) if conf else None)
+
+
+class DSparkStrategy(DFlashStrategy):
+    """L = w_ce L_ce + w_tv L_tv + w_conf L_conf, each position weighted (DESIGN 7)."""
+
+    method = "dspark"
+
+    def build(self, cfg: DrafterConfig, target: Target) -> DSparkModel:
+        resolve_feature_layers(cfg, target)
+        return DSparkModel(cfg, LayerShape.from_hf(target.model.config), target.vocab_size)
+
+    def loss(self, model: DSparkModel, batch: Batch, target: Target, cfg: DrafterConfig, generator) -> LossOutput:
+        # 1. Backbone over all blocks; heads teacher forced on ground-truth previous tokens.
+        tf = teacher_forced_blocks(model, batch, target, cfg, generator)
+        heads = model.heads(tf.h, tf.prev)
+        sel, k_idx, gold = tf.valid, tf.k_idx(), tf.gold[tf.valid]  # N valid positions
+        # 2. Draft logits U_k + B_k and distributions p_d; target p_t from the frozen LM head.
+        logits = lm_logits(target, tf.h[sel])  # [N, V]
+        if heads.e is not None:
+            logits = logits + model.markov.W2(heads.e[sel]).float()
+        logp_d = torch.log_softmax(logits, dim=-1)
+        p_d = logp_d.exp()
+        b_idx = torch.arange(tf.src.shape[0], device=gold.device)[:, None, None].expand_as(tf.src)
+        p_t = target_probs(target, batch.last_hidden[b_idx[sel], tf.src[sel]])  # [N, V]
+        # 3. The three position-weighted parts.
+        w = position_weights(cfg.gamma, cfg.loss_decay, logits.device)
+        l_ce = weighted_mean(-logp_d.gather(1, gold[:, None]).squeeze(1), k_idx, w)
+        l_tv = weighted_mean(l1_distance(p_d, p_t), k_idx, w)
+        label = confidence_labels(p_d, p_t)  # [N] c*_k, detached
+        loss = cfg.w_ce * l_ce + cfg.w_tv * l_tv
+        metrics = {"ce": l_ce.item(), "tv": l_tv.item(), "alpha": float(weighted_mean(label, k_idx, w))}
+        if heads.z is not None:
+            bce = F.binary_cross_entropy_with_logits(heads.z[sel].float(), label, reduction="none")
+            l_conf = weighted_mean(bce, k_idx, w)
+            loss = loss + cfg.w_conf * l_conf
+            metrics["conf"] = l_conf.item()
+        metrics.update(accuracy_at_k(logits.argmax(-1), gold, k_idx, cfg.gamma))
+        return LossOutput(loss=loss, tokens=int(gold.numel()), metrics=metrics)
+
+
+DSPARK = register_strategy(DSparkStrategy())

@@ -1,0 +1,268 @@
+"""DFlash / DSpark: block masks, teacher forcing vs serial decoding, training vs inference forward,
+loss parts against direct computations, lossless greedy decoding, and a tiny overfit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from selfdraft.config import DrafterConfig, GenerationConfig, SamplingParams
+from selfdraft.decode import generate
+from selfdraft.drafters import REGISTRY
+from selfdraft.drafters.dflash import DFlashDrafter, lm_logits, teacher_forced_blocks
+from selfdraft.target import Target
+from selfdraft.training.masks import block_attention_mask, block_positions, sample_anchors
+from selfdraft.training.objectives import confidence_labels, l1_distance, position_weights
+from selfdraft.training.strategy import STRATEGIES, Batch
+
+V, H, LAYERS = 96, 48, 5
+FEATS = (1, 2, 3)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: one thread avoids oversubscription on shared CPUs (15x faster here)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def target() -> Target:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=V, hidden_size=H, num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, max_position_embeddings=256, eos_token_id=None, bos_token_id=None,
+        pad_token_id=None, tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # a peaked p (logits of std ~3), as in trained LMs, not HF's near-uniform init
+        model.lm_head.weight.normal_(0.0, 3.0 / H**0.5)
+    return Target(model)
+
+
+def make(method: str, target: Target, seed: int = 1, markov_scale: float = 0.5, **kw):
+    """A randomly initialised model (the Markov W2 made non-zero so the head matters) and its cfg."""
+    torch.manual_seed(seed)
+    cfg = DrafterConfig(method=method, feature_layers=FEATS, **kw)
+    model = STRATEGIES[method].build(cfg, target)
+    markov = getattr(model, "markov", None)
+    if markov is not None:
+        torch.nn.init.normal_(markov.W2.weight, std=markov_scale)
+    return model, cfg
+
+
+def make_batch(target: Target, B: int = 2, T: int = 24, seed: int = 0, regenerate: bool = False) -> Batch:
+    """A 6-token 'prompt' (no loss) then either random tokens or the target's own greedy answer
+    (regenerate, as real training data is); the last of several sequences is right-padded."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    if regenerate:
+        ids = target.model.generate(ids[:, :6], do_sample=False, max_new_tokens=T - 6, min_new_tokens=T - 6)
+    attn = torch.ones(B, T, dtype=torch.bool)
+    attn[B - 1, T - 5 :] = B < 2
+    ids[~attn] = 0
+    loss_mask = attn.clone()
+    loss_mask[:, :6] = False
+    step = target.forward(ids, None, FEATS, attention_mask=attn.long())
+    return Batch(ids, loss_mask, attn, step.features.clone(), step.last_hidden.clone())
+
+
+# --------------------------------------------------------------------------- masks
+def slow_mask(anchor_pos: torch.Tensor, T: int, L: int) -> torch.Tensor:
+    B, A = anchor_pos.shape
+    m = torch.zeros(B, A * L, T + A * L, dtype=torch.bool)
+    for b in range(B):
+        for a in range(A):
+            for j in range(L):
+                q = a * L + j
+                for s in range(T):
+                    m[b, q, s] = s < int(anchor_pos[b, a])
+                for a2 in range(A):
+                    for j2 in range(L):
+                        m[b, q, T + a2 * L + j2] = a2 == a
+    return m
+
+
+@pytest.mark.parametrize("anchor_as_first", [True, False])
+def test_block_mask_matches_slow_loop(anchor_as_first):
+    gamma = 4
+    L = gamma if anchor_as_first else gamma + 1
+    g = torch.Generator().manual_seed(3)
+    T = 20
+    loss_mask = torch.rand(3, T, generator=g) > 0.3
+    attn = torch.ones(3, T, dtype=torch.bool)
+    attn[2, 15:] = False
+    anchors = sample_anchors(loss_mask, attn, 5, g)
+    for b in range(3):
+        picked = anchors.pos[b][anchors.valid[b]].tolist()
+        assert picked == sorted(set(picked)) and len(picked) <= 5
+        assert all(loss_mask[b, t + 1] and attn[b, t + 1] for t in picked)
+    assert torch.equal(block_attention_mask(anchors.pos, T, L), slow_mask(anchors.pos, T, L))
+    pos = block_positions(anchors.pos, L)
+    assert [int(pos[0, a * L + j]) for a in range(2) for j in range(L)] == [
+        int(anchors.pos[0, a]) + j for a in range(2) for j in range(L)
+    ]
+
+
+# --------------------------------------------------------------------------- Markov head
+@pytest.mark.parametrize("head,rank", [("vanilla", 8), ("gated", 8), ("rnn", 8), ("vanilla", 0)])
+def test_teacher_forced_markov_equals_serial(target, head, rank):
+    model, cfg = make("dspark", target, markov_head=head, markov_rank=rank, gamma=5)
+    torch.manual_seed(5)
+    h, U = torch.randn(5, H), torch.randn(5, V)
+    x = torch.randint(0, V, (6,))  # x_0 (anchor) .. x_5
+    with torch.no_grad():
+        out = model.heads(h[None], x[None, :5])
+        tf_logits = U if out.e is None else U + model.markov.W2(out.e[0])
+        tf_conf = torch.sigmoid(out.z[0])
+        block = model.decode_block(h, U, int(x[0]), lambda k, logits: int(x[k + 1]))
+    assert torch.equal(block.tokens, x[1:])
+    torch.testing.assert_close(block.logits, tf_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(block.confidences, tf_conf, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- training == inference
+@pytest.mark.parametrize("method,anchor_as_first", [("dflash", False), ("dspark", True)])
+def test_training_blocks_equal_inference(target, method, anchor_as_first):
+    model, cfg = make(method, target, gamma=4, anchor_as_first=anchor_as_first, anchors_per_seq=64)
+    batch = make_batch(target, B=1)
+    with torch.no_grad():
+        tf = teacher_forced_blocks(model, batch, target, cfg, torch.Generator().manual_seed(0))
+        U_train = lm_logits(target, tf.h[0])  # [A, γ, V]
+    anchors = [int(t) for t in tf.src[0, :, 0]]  # k = 1 reads position t
+    assert len(anchors) >= 10
+    ids, feats = batch.input_ids[0].tolist(), batch.features  # [1, T, n_feat, H]
+    drafter = STRATEGIES[method].drafter(model, cfg, target)
+    for a, t in enumerate(anchors):
+        # the context arrives as a prefill of 3 positions then chunks of up to 2 (observe path)
+        drafter.begin(ids[:3], _step(feats[:, : min(3, t)]))
+        while drafter.ctx_len < t:
+            drafter.observe(None, _step(feats[:, drafter.ctx_len : min(drafter.ctx_len + 2, t)]))
+        U_inf = lm_logits(target, drafter.draft_states(ids[: t + 1], cfg.gamma))
+        torch.testing.assert_close(U_inf, U_train[a], rtol=1e-4, atol=1e-4)
+
+
+def _step(features):
+    from selfdraft.target import TargetStep
+
+    return TargetStep(logits=None, features=features, last_hidden=None)
+
+
+# --------------------------------------------------------------------------- loss parts
+def test_tv_and_confidence_labels_direct():
+    g = torch.Generator().manual_seed(0)
+    p_d = torch.softmax(torch.randn(7, 11, generator=g), -1)
+    p_t = torch.softmax(torch.randn(7, 11, generator=g), -1)
+    for i in range(7):
+        l1 = sum(abs(float(p_d[i, v]) - float(p_t[i, v])) for v in range(11))
+        overlap = sum(min(float(p_d[i, v]), float(p_t[i, v])) for v in range(11))
+        assert abs(float(l1_distance(p_d, p_t)[i]) - l1) < 1e-5
+        assert abs(float(confidence_labels(p_d, p_t)[i]) - overlap) < 1e-5
+    assert torch.allclose(position_weights(3, 2.0), torch.exp(-torch.tensor([0.0, 0.5, 1.0])), atol=1e-6)
+
+
+@pytest.mark.parametrize("head", ["vanilla", "rnn"])
+def test_dspark_loss_parts_match_direct_loop(target, head):
+    model, cfg = make("dspark", target, gamma=3, markov_head=head, markov_rank=8, anchors_per_seq=4)
+    batch = make_batch(target)
+    out = STRATEGIES["dspark"].loss(model, batch, target, cfg, torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        tf = teacher_forced_blocks(model, batch, target, cfg, torch.Generator().manual_seed(7))
+    sums = {"ce": 0.0, "tv": 0.0, "alpha": 0.0, "conf": 0.0, "w": 0.0}
+    B, A, G = tf.valid.shape
+    with torch.no_grad():
+        for b in range(B):
+            for a in range(A):
+                # serial replay with ground-truth previous tokens, one block at a time
+                t = int(tf.src[b, a, 0])
+                x = batch.input_ids[b, t : t + G + 1].tolist() + [0] * G
+                U = lm_logits(target, tf.h[b, a])
+                blk = model.decode_block(tf.h[b, a], U, x[0], lambda k, logits: x[k + 1])
+                for k in range(G):
+                    if not tf.valid[b, a, k]:
+                        continue
+                    w = torch.exp(torch.tensor(-k / cfg.loss_decay)).item()
+                    p_d = torch.softmax(blk.logits[k], -1)
+                    p_t = torch.softmax(target.lm_head(batch.last_hidden[b, t + k]), -1)
+                    tv = torch.distributions.Categorical(probs=p_d).probs.sub(p_t).abs().sum().item()
+                    c_star = 1 - tv / 2
+                    c = blk.confidences[k].item()
+                    sums["ce"] += w * -torch.log(p_d[x[k + 1]]).item()
+                    sums["tv"] += w * tv
+                    sums["alpha"] += w * c_star
+                    sums["conf"] += w * -(c_star * torch.log(torch.tensor(c)) + (1 - c_star) * torch.log(torch.tensor(1 - c))).item()
+                    sums["w"] += w
+    for key in ("ce", "tv", "alpha", "conf"):
+        assert abs(out.metrics[key] - sums[key] / sums["w"]) < 1e-4, key
+    expected = 0.1 * sums["ce"] / sums["w"] + 0.9 * sums["tv"] / sums["w"] + sums["conf"] / sums["w"]
+    assert abs(out.loss.item() - expected) < 1e-4
+    assert out.tokens == int(tf.valid.sum()) and {"acc@1", "acc@2", "acc@3"} <= set(out.metrics)
+
+
+# --------------------------------------------------------------------------- lossless decoding
+DRAFTERS = [
+    ("dflash", dict(anchor_as_first=False)),
+    ("dflash", dict(anchor_as_first=True)),
+    ("dspark", dict(markov_head="vanilla")),
+    ("dspark", dict(markov_head="gated")),
+    ("dspark", dict(markov_head="rnn")),
+    ("dspark", dict(markov_rank=0, confidence_head=False)),
+]
+
+
+@pytest.mark.parametrize("method,kw", DRAFTERS)
+def test_greedy_speculative_equals_plain_greedy(target, method, kw):
+    prompt = [5, 17, 3, 42, 8, 8, 61]
+    n = 20
+    plain = generate(target, REGISTRY["none"](target), prompt, SamplingParams(), GenerationConfig(max_new_tokens=n, gamma=4))
+    hf = target.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n)
+    assert plain.token_ids == hf[0, len(prompt) :].tolist()
+    model, cfg = make(method, target, gamma=5, markov_rank=kw.pop("markov_rank", 8), **kw)
+    drafter = STRATEGIES[method].drafter(model, cfg, target)
+    for gamma in (3, 5, 8):  # truncated, exact and longer than the trained block
+        res = generate(target, drafter, prompt, SamplingParams(), GenerationConfig(max_new_tokens=n, gamma=gamma))
+        assert res.token_ids == plain.token_ids
+        assert all(r.proposed <= min(gamma, 5) for r in res.rounds)
+    assert drafter.propose(prompt + plain.token_ids[:1], 0, SamplingParams(), None).tokens.numel() == 0
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_sampling_runs_and_returns_valid_tokens(target, method):
+    model, cfg = make(method, target, gamma=4, markov_rank=8)
+    drafter = STRATEGIES[method].drafter(model, cfg, target)
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=0)
+    res = generate(target, drafter, [1, 2, 3, 4], params, GenerationConfig(max_new_tokens=16, gamma=4))
+    assert len(res.token_ids) == 16 and all(0 <= t < V for t in res.token_ids)
+    drafter.begin([1, 2, 3], target.forward(torch.tensor([[1, 2, 3]]), None, FEATS))
+    prop = drafter.propose([1, 2, 3, 4], 4, params, torch.Generator().manual_seed(0))
+    assert prop.q.shape == (4, V) and torch.allclose(prop.q.sum(-1), torch.ones(4))
+    assert all(prop.q[k, prop.tokens[k]] > 0 for k in range(4))
+    if method == "dspark":
+        assert prop.confidences.shape == (4,) and ((prop.confidences > 0) & (prop.confidences < 1)).all()
+
+
+# --------------------------------------------------------------------------- training
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_tiny_overfit_drives_loss_down_and_tau_up(target, method):
+    model, cfg = make(method, target, gamma=4, markov_rank=8, markov_scale=0.0, anchors_per_seq=32)
+    batch = make_batch(target, T=32, regenerate=True)
+    prompt = batch.input_ids[0, :6].tolist()
+    gen = GenerationConfig(max_new_tokens=20, gamma=4)
+    tau0 = generate(target, STRATEGIES[method].drafter(model, cfg, target), prompt, SamplingParams(), gen).tau
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(40):
+        out = STRATEGIES[method].loss(model, batch, target, cfg, torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        losses.append(out.loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses[::8]
+    assert out.metrics["acc@1"] > 0.5, out.metrics
+    res = generate(target, STRATEGIES[method].drafter(model, cfg, target), prompt, SamplingParams(), gen)
+    assert res.tau > tau0 + 1.0, (tau0, res.tau)
+    plain = generate(target, REGISTRY["none"](target), prompt, SamplingParams(), gen)
+    assert res.token_ids == plain.token_ids  # still lossless when most drafts are accepted
