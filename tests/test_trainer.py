@@ -114,3 +114,46 @@ def test_unknown_method_lists_valid_ones(tiny_target, data, tmp_path):
     dcfg, tcfg = cfgs(data)
     with pytest.raises(ConfigError, match="valid methods"):
         train(tiny_target, DrafterConfig(method="nope"), tcfg, tmp_path / "out")
+
+
+# ------------------------------------------------------------------ the `selfdraft train` command
+@pytest.fixture
+def target_dir(tmp_path):
+    path = tmp_path / "tiny-target"
+    tiny_llama(peaked=4.0).save_pretrained(path)
+    return path
+
+
+def run_cli(*args: str):
+    from typer.testing import CliRunner
+
+    from selfdraft.cli import app
+
+    return CliRunner().invoke(app, ["train", *args])
+
+
+def test_cli_config_file_and_overrides(toy_method, target_dir, data, tmp_path):
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps({"drafter": {"method": TOY, "gamma": 3, "feature_layers": [0, 2]},
+                                  "train": {"steps": 2, "lr": 1e-2, "batch_size": 2, "max_seq_len": 24}}))
+    out = tmp_path / "out"
+    res = run_cli("--config", str(config), "--target", str(target_dir), "--data", str(data), "--out", str(out),
+                  "--steps", "3", "--feature-layers", "1,2", "--no-bf16", "--dtype", "float32")
+    assert res.exit_code == 0, res.output
+    meta = json.loads((out / "config.json").read_text())
+    assert meta["drafter"]["gamma"] == 3 and meta["feature_layers"] == [1, 2]  # file value, CLI override
+    assert meta["provenance"]["steps"] == 3 and meta["provenance"]["train"]["lr"] == 1e-2
+
+
+def test_cli_rejects_unknown_keys_and_methods(toy_method, target_dir, data, tmp_path):
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps({"train": {"stepz": 2}}))
+    res = run_cli("--config", str(config), "--method", TOY, "--data", str(data), "--out", str(tmp_path / "o"))
+    assert res.exit_code == 2 and "unknown key(s) ['stepz']" in res.output
+    config.write_text(json.dumps({"optim": {}}))
+    res = run_cli("--config", str(config), "--method", TOY, "--data", str(data), "--out", str(tmp_path / "o"))
+    assert res.exit_code == 2 and "'drafter' and/or 'train'" in res.output
+    res = run_cli("--method", "nope", "--data", str(data), "--out", str(tmp_path / "o"))
+    assert res.exit_code == 2 and "valid methods" in res.output and TOY in res.output
+    res = run_cli("--method", TOY, "--out", str(tmp_path / "o"))
+    assert res.exit_code == 2 and "--data" in res.output
