@@ -182,7 +182,7 @@ def train(
     t_start = time.perf_counter()
     out_dir = Path(out_dir).resolve()
     # 1. Resolve the method, the feature layers and the data.
-    strategy = strategy or _strategy(drafter_cfg.method)
+    strategy = strategy or strategy_for(drafter_cfg.method)
     if strategy.method != drafter_cfg.method:
         raise ConfigError(f"strategy {strategy.method!r} does not match drafter_cfg.method {drafter_cfg.method!r}")
     if train_cfg.features != "online":
@@ -195,58 +195,29 @@ def train(
     if not train_seqs:
         raise ConfigError(f"{train_cfg.data} has no usable train records (need >= 2 tokens and a supervised token)")
 
-    # 2. Build the drafter (float32 master weights; autocast runs it in bf16) and its optimizer.
-    torch.manual_seed(train_cfg.seed)
-    gen = torch.Generator().manual_seed(train_cfg.seed)  # the strategy's sampling (anchors, ...)
-    cursor, step, tokens, history, val_log = DataCursor(), 0, 0, [], []
-    state_path = out_dir / STATE_FILE
-    recover_interrupted_save(out_dir)
-    if resume and (out_dir / CONFIG_FILE).exists():
-        # 3. Resume: weights, optimizer moments, step, tokens, RNG and data position.
-        state = _check_resumable(out_dir, target, cfg, train_cfg, len(train_seqs))
-        model = load_module(out_dir, target, dtype=torch.float32).model
-        opt = _optimizer(model, train_cfg)
-        opt.load_state_dict(state["optimizer"])
-        step, tokens = state["step"], state["tokens"]
-        cursor = DataCursor(state["epoch"], state["index"])
-        gen.set_state(state["generator"])
-        torch.set_rng_state(state["torch_rng"])
-        history, val_log = _read_log(out_dir / LOG_FILE, step)
-    else:
-        model = strategy.build(cfg, target).to(device=target.model.device, dtype=torch.float32)
-        opt = _optimizer(model, train_cfg)
-    resumed_from = step
-    model.train()
+    # 2. Build the drafter (float32 master weights; autocast runs it in bf16) and AdamW, or resume both.
+    run = _start_or_resume(target, strategy, cfg, train_cfg, out_dir, resume, len(train_seqs))
+    resumed_from = run.step
     autocast = torch.autocast(target.model.device.type, dtype=torch.bfloat16, enabled=train_cfg.bf16)
-
-    def save() -> None:
-        state = {"step": step, "tokens": tokens, "epoch": cursor.epoch, "index": cursor.index,
-                 "n_train": len(train_seqs), "train": asdict(train_cfg), "optimizer": opt.state_dict(),
-                 "generator": gen.get_state(), "torch_rng": torch.get_rng_state()}  # fmt: skip
-        with atomic_dir(out_dir) as tmp:
-            prov = provenance(train_cfg.data, step, tokens, train=asdict(train_cfg))
-            write_checkpoint_files(tmp, model, cfg, target, prov)
-            torch.save(state, tmp / STATE_FILE)
-            _write_log(tmp / LOG_FILE, history, val_log)
+    gen, model, opt, cursor = run.gen, run.model, run.opt, run.cursor
 
     def validate() -> None:
         if val_seqs:
-            val_log.append(_validate(model, strategy, target, cfg, train_cfg, val_seqs, autocast, step))
-            v = val_log[-1]
-            bar.write(f"step {step}: val loss {v.loss:.4f} " + " ".join(f"{k} {x:.3f}" for k, x in v.metrics.items()))
+            run.val.append(_validate(model, strategy, target, cfg, train_cfg, val_seqs, autocast, run.step))
+            v = run.val[-1]
+            bar.write(f"step {v.step}: val loss {v.loss:.4f} " + " ".join(f"{k} {x:.3f}" for k, x in v.metrics.items()))
 
-    bar = tqdm(total=train_cfg.steps, initial=step, desc=f"train {cfg.method}", dynamic_ncols=True, disable=None)
-    budget_left = lambda: not train_cfg.token_budget or tokens < train_cfg.token_budget  # noqa: E731
-    while step < train_cfg.steps and budget_left():
-        # 4. One optimizer step: lr from the schedule, grad_accum micro-batches, clip, update.
+    bar = tqdm(total=train_cfg.steps, initial=run.step, desc=f"train {cfg.method}", dynamic_ncols=True, disable=None)
+    while run.step < train_cfg.steps and not (train_cfg.token_budget and run.tokens >= train_cfg.token_budget):
+        # 3. One optimizer step: lr from the schedule, grad_accum micro-batches, clip, update.
         t0 = time.perf_counter()
-        lr = lr_at(step, tokens, train_cfg)
+        lr = lr_at(run.step, run.tokens, train_cfg)
         for group in opt.param_groups:
             group["lr"] = lr
         step_tokens, outs = 0, []
         for _ in range(train_cfg.grad_accum):
             seqs = [train_seqs[i] for i in cursor.take(len(train_seqs), train_cfg.batch_size, train_cfg.seed)]
-            batch = make_batch(seqs, target, cfg.feature_layers)
+            batch = make_batch(seqs, target, cfg.feature_layers)  # the frozen target runs here, no grad
             with autocast:
                 out = strategy.loss(model, batch, target, cfg, gen)
             (out.loss / train_cfg.grad_accum).backward()
@@ -255,43 +226,94 @@ def train(
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), train_cfg.grad_clip or float("inf"))
         opt.step()
         opt.zero_grad(set_to_none=True)
-        step, tokens = step + 1, tokens + step_tokens
+        run.step, run.tokens = run.step + 1, run.tokens + step_tokens
 
-        # 5. Log, validate, checkpoint.
+        # 4. Log, validate, checkpoint.
         loss, metrics = _mean_outputs(outs)
-        log = StepLog(step, lr, loss, tokens, float(grad_norm), step_tokens / (time.perf_counter() - t0), metrics)
-        history.append(log)
+        log = StepLog(run.step, lr, loss, run.tokens, float(grad_norm), step_tokens / (time.perf_counter() - t0), metrics)
+        run.history.append(log)
         shown = {k: f"{v:.3f}" for k, v in metrics.items() if k in ("acc@1", "acc@2", "acc@3")}
         bar.set_postfix(loss=f"{loss:.4f}", **shown, tok_s=f"{log.tokens_per_s:.0f}", lr=f"{lr:.2e}")
         bar.update(1)
-        if train_cfg.val_every and step % train_cfg.val_every == 0:
+        if train_cfg.val_every and run.step % train_cfg.val_every == 0:
             validate()
-        if train_cfg.save_every and step % train_cfg.save_every == 0:
-            save()
+        if train_cfg.save_every and run.step % train_cfg.save_every == 0:
+            _save(run, out_dir, target, cfg, train_cfg, len(train_seqs))
         if on_step:
             on_step(log)
     bar.close()
 
-    # 6. Final validation and checkpoint (unless this step already had them).
-    if step > resumed_from or not (out_dir / STATE_FILE).exists():
-        if not (val_log and val_log[-1].step == step):
+    # 5. Final validation and checkpoint, unless this step already had them (or nothing was trained).
+    if run.step > resumed_from:
+        if not (run.val and run.val[-1].step == run.step):
             validate()
-        if not (train_cfg.save_every and step % train_cfg.save_every == 0):
-            save()
+        if not (train_cfg.save_every and run.step % train_cfg.save_every == 0):
+            _save(run, out_dir, target, cfg, train_cfg, len(train_seqs))
     return TrainResult(
         out_dir=out_dir,
-        steps=step,
-        tokens=tokens,
-        stopped_by="steps" if step >= train_cfg.steps else "token_budget",
+        steps=run.step,
+        tokens=run.tokens,
+        stopped_by="steps" if run.step >= train_cfg.steps else "token_budget",
         resumed_from=resumed_from,
         elapsed_s=time.perf_counter() - t_start,
-        history=history,
-        val=val_log,
+        history=run.history,
+        val=run.val,
     )
 
 
+# ------------------------------------------------------------------ run state: start, resume, save
+@dataclass
+class RunState:
+    """Everything a run changes as it goes; `_save` writes all of it, `_start_or_resume` restores it."""
+
+    model: torch.nn.Module
+    opt: torch.optim.AdamW
+    gen: torch.Generator  # the strategy's sampling (anchors, ...)
+    cursor: DataCursor
+    step: int = 0
+    tokens: int = 0
+    history: list[StepLog] = field(default_factory=list)
+    val: list[ValLog] = field(default_factory=list)
+
+
+def _start_or_resume(
+    target: Target, strategy: Strategy, cfg: DrafterConfig, train_cfg: TrainConfig, out_dir: Path, resume: bool, n_train: int
+) -> RunState:
+    """A fresh run seeded by train_cfg.seed, or the run saved in out_dir restored exactly."""
+    torch.manual_seed(train_cfg.seed)
+    gen = torch.Generator().manual_seed(train_cfg.seed)
+    recover_interrupted_save(out_dir)
+    if not (resume and (out_dir / CONFIG_FILE).exists()):
+        model = strategy.build(cfg, target).to(device=target.model.device, dtype=torch.float32).train()
+        return RunState(model, _optimizer(model, train_cfg), gen, DataCursor())
+    state = _check_resumable(out_dir, target, cfg, train_cfg, n_train)
+    model = load_module(out_dir, target, dtype=torch.float32).model.train()
+    opt = _optimizer(model, train_cfg)
+    opt.load_state_dict(state["optimizer"])
+    gen.set_state(state["generator"])
+    torch.set_rng_state(state["torch_rng"])
+    history, val = _read_log(out_dir / LOG_FILE, state["step"])
+    cursor = DataCursor(state["epoch"], state["index"])
+    return RunState(model, opt, gen, cursor, state["step"], state["tokens"], history, val)
+
+
+def _save(run: RunState, out_dir: Path, target: Target, cfg: DrafterConfig, train_cfg: TrainConfig, n_train: int) -> None:
+    """Atomically write the drafter checkpoint plus trainer_state.pt (tensors and primitives only) and the log."""
+    state = {
+        "step": run.step, "tokens": run.tokens, "epoch": run.cursor.epoch, "index": run.cursor.index,
+        "n_train": n_train, "train": asdict(train_cfg), "optimizer": run.opt.state_dict(),
+        "generator": run.gen.get_state(), "torch_rng": torch.get_rng_state(),
+    }  # fmt: skip
+    with atomic_dir(out_dir) as tmp:
+        prov = provenance(train_cfg.data, run.step, run.tokens, train=asdict(train_cfg))
+        write_checkpoint_files(tmp, run.model, cfg, target, prov)
+        torch.save(state, tmp / STATE_FILE)
+        _write_log(tmp / LOG_FILE, run.history, run.val)
+
+
 # ------------------------------------------------------------------ helpers
-def _strategy(method: str) -> Strategy:
+def strategy_for(method: str) -> Strategy:
+    """The registered training strategy of `method`; the error lists the valid ones."""
     import selfdraft.drafters  # noqa: F401  (importing the drafter kinds fills STRATEGIES)
 
     if method not in STRATEGIES:
@@ -364,6 +386,8 @@ def _read_log(path: Path, upto: int) -> tuple[list[StepLog], list[ValLog]]:
         for line in path.read_text().splitlines():
             rec = json.loads(line)
             kind = rec.pop("kind")
-            if rec["step"] <= upto:
-                (history.append(StepLog(**rec)) if kind == "train" else val.append(ValLog(**rec)))
+            if rec["step"] <= upto and kind == "train":
+                history.append(StepLog(**rec))
+            elif rec["step"] <= upto:
+                val.append(ValLog(**rec))
     return history, val
