@@ -157,3 +157,24 @@ def test_cli_rejects_unknown_keys_and_methods(toy_method, target_dir, data, tmp_
     assert res.exit_code == 2 and "valid methods" in res.output and TOY in res.output
     res = run_cli("--method", TOY, "--out", str(tmp_path / "o"))
     assert res.exit_code == 2 and "--data" in res.output
+
+
+def test_cli_trains_dspark_and_its_drafts_are_lossless(target_dir, data, tmp_path):
+    """End to end: `selfdraft train --method dspark` -> load_drafter(dir) -> greedy output == plain greedy."""
+    from selfdraft.config import GenerationConfig
+    from selfdraft.decode import generate
+    from selfdraft.drafters import load_drafter
+
+    out = tmp_path / "dspark"
+    res = run_cli("--method", "dspark", "--target", str(target_dir), "--data", str(data), "--out", str(out),
+                  "--steps", "4", "--gamma", "4", "--feature-layers", "0,1,2", "--markov-rank", "8",
+                  "--anchors-per-seq", "4", "--batch-size", "2", "--max-seq-len", "32", "--val-every", "2",
+                  "--no-bf16", "--dtype", "float32")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    target = Target.load(str(target_dir), dtype="float32")
+    drafter = load_drafter(str(out), target)
+    prompt = [5, 8, 11, 14, 17]
+    cfg = GenerationConfig(max_new_tokens=24, gamma=4)
+    spec = generate(target, drafter, prompt, config=cfg)
+    plain = generate(target, load_drafter("none", target), prompt, config=cfg)
+    assert spec.token_ids == plain.token_ids and max(r.proposed for r in spec.rounds) == 4
