@@ -136,7 +136,10 @@ def teacher_forced_blocks(
     # 2. Targets x_{t+k}, k = 1..γ, and their validity.
     idx = anchors.pos[..., None] + torch.arange(1, cfg.gamma + 1, device=ids.device)  # [B, A, γ]
     at = idx.clamp(max=T - 1).flatten(1)  # [B, A·γ]
-    gather = lambda x: x.gather(1, at).view(idx.shape)  # noqa: E731  [B, T] -> [B, A, γ]
+
+    def gather(x: torch.Tensor) -> torch.Tensor:  # [B, T] -> [B, A, γ] values at t+k
+        return x.gather(1, at).view(idx.shape)
+
     valid = (idx < T) & gather(batch.loss_mask) & gather(batch.attention_mask) & anchors.valid[..., None]
     src = (idx - 1).clamp(max=T - 1)
     prev = ids.gather(1, src.flatten(1)).view(idx.shape)

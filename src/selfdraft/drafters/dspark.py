@@ -156,8 +156,9 @@ class DSparkStrategy(DFlashStrategy):
         # 3. The three position-weighted parts.
         w = position_weights(cfg.gamma, cfg.loss_decay, logits.device)
         l_ce = weighted_mean(-logp_d.gather(1, gold[:, None]).squeeze(1), k_idx, w)
-        l_tv = weighted_mean(l1_distance(p_d, p_t), k_idx, w)
-        label = confidence_labels(p_d, p_t)  # [N] c*_k, detached
+        l1 = l1_distance(p_d, p_t)  # [N] ||p_d,k - p_t,k||_1
+        l_tv = weighted_mean(l1, k_idx, w)
+        label = confidence_labels(l1)  # [N] c*_k, detached
         loss = cfg.w_ce * l_ce + cfg.w_tv * l_tv
         metrics = {"ce": l_ce.item(), "tv": l_tv.item(), "alpha": float(weighted_mean(label, k_idx, w))}
         if heads.z is not None:

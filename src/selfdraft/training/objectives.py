@@ -39,9 +39,11 @@ def l1_distance(p_d: torch.Tensor, p_t: torch.Tensor) -> torch.Tensor:
     return (p_d - p_t).abs().sum(-1)
 
 
-def confidence_labels(p_d: torch.Tensor, p_t: torch.Tensor) -> torch.Tensor:
-    """Soft acceptance label c*_k = 1 - ½||p_d,k - p_t,k||_1 = Σ_v min(p_d, p_t) (DESIGN 7), detached."""
-    return (1.0 - 0.5 * l1_distance(p_d.detach(), p_t)).clamp(0.0, 1.0)
+def confidence_labels(l1: torch.Tensor) -> torch.Tensor:
+    """Soft acceptance label c*_k = 1 - ½||p_d,k - p_t,k||_1 = Σ_v min(p_d, p_t) (DESIGN 7), detached.
+
+    l1: [N] from l1_distance (reused, so the [N, V] difference is formed once) -> [N]."""
+    return (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)
 
 
 def accuracy_at_k(pred: torch.Tensor, gold: torch.Tensor, k_idx: torch.Tensor, gamma: int) -> dict[str, float]:
