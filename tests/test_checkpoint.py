@@ -15,7 +15,7 @@ from selfdraft.drafters import load_drafter
 from selfdraft.target import Target
 from selfdraft.training.strategy import STRATEGIES
 from tests.conftest import tiny_llama
-from tests.toy_training import TOY, toy_method  # noqa: F401  (fixture)
+from tests.toy_training import TOY, single_thread, toy_method  # noqa: F401  (fixtures)
 
 CFG = DrafterConfig(method=TOY, feature_layers=(1, 2))
 

@@ -13,7 +13,7 @@ from selfdraft.config import ConfigError, DrafterConfig, TrainConfig
 from selfdraft.target import Target
 from selfdraft.training.trainer import STATE_FILE, lr_at, train
 from tests.conftest import tiny_llama
-from tests.toy_training import TOY, toy_method, write_dataset  # noqa: F401  (fixture)
+from tests.toy_training import TOY, single_thread, toy_method, write_dataset  # noqa: F401  (fixtures)
 
 
 @pytest.fixture

@@ -99,3 +99,12 @@ def write_dataset(data_dir: Path, n_train: int = 24, n_val: int = 4, vocab: int 
         lines.append(json.dumps(rec))
     (data_dir / "shard-00000.jsonl").write_text("\n".join(lines) + "\n")
     return data_dir
+
+
+@pytest.fixture(autouse=True)
+def single_thread():
+    """Tiny models run fastest on one thread; on a shared 2-core machine, 2 threads can be 20x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
