@@ -176,15 +176,19 @@ def train(
 ) -> TrainResult:
     """Train a drafter of kind `drafter_cfg.method` on `train_cfg.data`; the checkpoint goes to `out_dir`.
 
-    `strategy` defaults to STRATEGIES[drafter_cfg.method]. `on_step` is called after every optimizer
+    `strategy` defaults to STRATEGIES[drafter_cfg.method] and must be that registered object, since
+    loading and resuming rebuild the module from the registry. `on_step` is called after every optimizer
     step (and after that step's checkpoint, if any): for logging, or to stop a run in tests.
     """
     t_start = time.perf_counter()
     out_dir = Path(out_dir).resolve()
     # 1. Resolve the method, the feature layers and the data.
     strategy = strategy or strategy_for(drafter_cfg.method)
-    if strategy.method != drafter_cfg.method:
-        raise ConfigError(f"strategy {strategy.method!r} does not match drafter_cfg.method {drafter_cfg.method!r}")
+    if STRATEGIES.get(drafter_cfg.method) is not strategy:
+        raise ConfigError(
+            f"strategy {strategy.method!r} is not the one registered for drafter_cfg.method {drafter_cfg.method!r}: "
+            "register it with register_strategy (checkpoints are rebuilt from STRATEGIES[method])"
+        )
     if train_cfg.features != "online":
         raise ConfigError(f"features={train_cfg.features!r}: the trainer computes target features online only (use 'online')")
     if target.model.dtype != torch.float32 and not train_cfg.bf16:
