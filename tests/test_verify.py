@@ -1,0 +1,123 @@
+"""Verification rules against brute-force enumeration of small distributions (DESIGN section 2)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from selfdraft.config import SamplingParams
+from selfdraft.sampling import probs_from_logits, residual, sample
+from selfdraft.verify import Verification, verify_chain, verify_greedy
+
+V, GAMMA = 4, 2
+
+
+def _dists(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    p = torch.softmax(2.0 * torch.randn(GAMMA + 1, V, generator=g), -1)  # [γ+1, V]
+    q = torch.softmax(2.0 * torch.randn(GAMMA, V, generator=g), -1)  # [γ, V]
+    return p, q
+
+
+def _broken_chain(p, drafts, q, generator=None) -> Verification:
+    """A classic bug: resample from p instead of the residual norm(max(0, p - q)) after a rejection."""
+    for k in range(drafts.shape[0]):
+        x = int(drafts[k])
+        if torch.rand((), generator=generator) >= min(1.0, float(p[k, x] / q[k, x])):
+            t = int(sample(p[k], generator))
+            return Verification(k, t, drafts[:k].tolist() + [t])
+    t = int(sample(p[-1], generator))
+    return Verification(len(drafts), t, drafts.tolist() + [t])
+
+
+def _completed_law_pvalue(verifier, p, q, n=12000, seed=0) -> float:
+    """Draft x ~ q (position-wise independent), verify, then complete the emitted prefix to γ+1 tokens
+    by sampling the remaining positions from p. With context-free p_k the completed sequence must
+    follow Π_k p_k exactly; compare against the enumerated law with a chi-square test."""
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros([V] * (GAMMA + 1))
+    for _ in range(n):
+        drafts = sample(q, g) if q is not None else torch.randint(V, (GAMMA,), generator=g)
+        v = verifier(p, drafts, q, g)
+        seq = v.tokens + [int(sample(p[k], g)) for k in range(len(v.tokens), GAMMA + 1)]
+        counts[tuple(seq)] += 1
+    exact = torch.ones([V] * (GAMMA + 1))
+    for idx in itertools.product(range(V), repeat=GAMMA + 1):  # brute-force enumeration of Π p_k
+        exact[idx] = torch.prod(torch.stack([p[k, i] for k, i in enumerate(idx)]))
+    return float(chisquare(counts.flatten().numpy(), (exact.flatten() * n).numpy()).pvalue)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_chain_matches_enumerated_target_law(seed):
+    p, q = _dists(seed)
+    assert _completed_law_pvalue(verify_chain, p, q, seed=seed) > 1e-3
+
+
+def test_chain_with_deterministic_drafts_matches_target_law():
+    p, _ = _dists(3)
+    assert _completed_law_pvalue(verify_chain, p, None) > 1e-3
+
+
+def test_broken_verifier_is_caught():
+    """The same test must fail for a verifier that skips the residual (proof the test can fail)."""
+    p, q = _dists(0)
+    assert _completed_law_pvalue(_broken_chain, p, q) < 1e-6
+
+
+def test_first_step_acceptance_equals_one_minus_tv():
+    """α = Σ_x min(p(x), q(x)): empirical acceptance of draft 1 vs the enumerated value."""
+    p, q = _dists(5)
+    g = torch.Generator().manual_seed(0)
+    n = 20000
+    acc = sum(verify_chain(p, sample(q, g), q, g).num_accepted >= 1 for _ in range(n)) / n
+    alpha = float(torch.minimum(p[0], q[0]).sum())
+    assert abs(acc - alpha) < 4 * (alpha * (1 - alpha) / n) ** 0.5 + 1e-3
+
+
+def test_residual_is_normalised_positive_part():
+    p = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    q = torch.tensor([0.2, 0.5, 0.2, 0.1])
+    torch.testing.assert_close(residual(p, q), torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    torch.testing.assert_close(residual(p, p), p)  # empty residual: rejection has probability 0
+
+
+def test_greedy_matches_loop_reference():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        logits = torch.randn(GAMMA + 4, V, generator=g)
+        best = logits.argmax(-1)
+        drafts = torch.where(torch.rand(GAMMA + 3, generator=g) < 0.7, best[:-1], torch.randint(V, (GAMMA + 3,), generator=g))
+        n = 0
+        while n < len(drafts) and drafts[n] == best[n]:
+            n += 1
+        v = verify_greedy(logits, drafts)
+        assert (v.num_accepted, v.next_token, v.tokens) == (n, int(best[n]), drafts[:n].tolist() + [int(best[n])])
+
+
+def test_greedy_is_the_zero_temperature_chain():
+    """With T = 0, p is one-hot, so the stochastic rule must reproduce verify_greedy exactly."""
+    g = torch.Generator().manual_seed(1)
+    params = SamplingParams(temperature=0.0)
+    for _ in range(100):
+        logits = torch.randn(GAMMA + 1, V, generator=g)
+        drafts = torch.randint(V, (GAMMA,), generator=g)
+        assert verify_chain(probs_from_logits(logits, params), drafts, None, g) == verify_greedy(logits, drafts)
+
+
+def test_top_k_top_p_processing_against_enumeration():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
+    pk = probs_from_logits(logits, SamplingParams(temperature=1.0, top_k=2))
+    full = torch.softmax(logits, -1)
+    torch.testing.assert_close(pk[0, :2], full[0, :2] / full[0, :2].sum())
+    assert pk[0, 2:].sum() == 0
+    # top-p keeps the smallest prefix (by descending prob) whose mass reaches p
+    pp = probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=0.8))
+    cum = full[0].cumsum(0)
+    keep = int((cum < 0.8).sum()) + 1
+    torch.testing.assert_close(pp[0, :keep], full[0, :keep] / full[0, :keep].sum())
+    assert pp[0, keep:].sum() == 0
+    # temperature divides logits before the softmax
+    torch.testing.assert_close(probs_from_logits(logits, SamplingParams(temperature=0.5)), torch.softmax(logits / 0.5, -1))
