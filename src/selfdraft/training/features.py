@@ -1,0 +1,180 @@
+"""Target features for training: computed online (`compute_features`) or cached on disk.
+
+Drafters read the hidden states of a few target layers plus the final hidden state, from which
+the frozen LM head gives p_t when training (DESIGN sections 3 and 11: full-vocabulary logits are
+never stored). The cache is a directory of bf16 safetensors shards, memory-mapped on read:
+
+    FEATDIR/index.json               target identity, feature layers, per-record shard/offset/length
+    FEATDIR/shard-00000.safetensors  features [N, n_feat, H] bf16, last_hidden [N, H] bf16,
+                                     input_ids [N] int32, loss_mask [N] uint8 (N = tokens of its records)
+
+Shards are written whole (temp file + rename), so a killed run restarted with the same command
+recomputes only the records not yet in a finished shard.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from selfdraft.config import ConfigError
+from selfdraft.training.data import DataError, iter_records
+
+BYTES_PER_VALUE = 2  # bf16
+BYTES_PER_TOKEN_IDS = 5  # int32 id + uint8 mask
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    feature_layers: tuple[int, ...]  # 0-based decoder layers (DESIGN section 3)
+    max_seq_len: int = 2048  # longer conversations are truncated (training never sees more)
+    shard_tokens: int = 65536  # tokens per shard: 65536 x 6 x 576 x 2 B ~ 450 MB with 5 layers
+
+    def __post_init__(self) -> None:
+        if not self.feature_layers:
+            raise ConfigError("give at least one feature layer")
+        if self.max_seq_len < 2 or self.shard_tokens < 1:
+            raise ConfigError("max_seq_len must be >= 2 and shard_tokens >= 1")
+
+
+@torch.inference_mode()
+def compute_features(target, input_ids: torch.Tensor, feature_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids [1, T] -> (features [T, n_feat, H], last_hidden [T, H]) in the target's dtype.
+
+    The online training mode calls this per sequence; the LM head runs at the last position
+    only, since training applies it itself where it needs p_t.
+    """
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"input_ids must be [1, T], got {tuple(input_ids.shape)}")
+    step = target.forward(input_ids, cache=None, feature_layers=tuple(feature_layers), last_only=True)
+    return step.features[0], step.last_hidden[0]
+
+
+def bytes_per_token(target, spec: FeatureSpec) -> int:
+    return (len(spec.feature_layers) + 1) * target.hidden_size * BYTES_PER_VALUE + BYTES_PER_TOKEN_IDS
+
+
+def estimate_bytes(data_dir: str | Path, target, spec: FeatureSpec, split: str | None = None) -> int:
+    """Disk size of the cache for a dataset, from its token counts (printed before a long run)."""
+    tokens = sum(min(len(r["input_ids"]), spec.max_seq_len) for r in iter_records(data_dir, split))
+    return tokens * bytes_per_token(target, spec)
+
+
+def write_feature_cache(
+    target, data_dir: str | Path, out_dir: str | Path, spec: FeatureSpec, split: str | None = None,
+    progress: bool = True,
+) -> dict:
+    """Run the target over every record and store its features in shards; returns the index."""
+    from tqdm import tqdm
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    header = {"target": target.identity(), "feature_layers": list(spec.feature_layers),
+              "max_seq_len": spec.max_seq_len, "data": str(Path(data_dir).resolve()), "split": split}
+    shards = _finished_shards(out_dir, header)
+    done = {r["id"] for s in shards for r in s["records"]}
+    records = [r for r in iter_records(data_dir, split) if r["id"] not in done]
+    buffer: list[dict] = []
+    bar = tqdm(total=sum(min(len(r["input_ids"]), spec.max_seq_len) for r in records), unit="tok",
+               disable=not progress, file=sys.stderr, dynamic_ncols=True)
+    for rec in records:
+        ids = torch.tensor(rec["input_ids"][: spec.max_seq_len])
+        feats, last = compute_features(target, ids[None], spec.feature_layers)
+        buffer.append({"id": rec["id"], "split": rec["split"], "input_ids": ids,
+                       "loss_mask": torch.tensor(rec["loss_mask"][: spec.max_seq_len], dtype=torch.uint8),
+                       "features": feats.to(torch.bfloat16), "last_hidden": last.to(torch.bfloat16)})
+        bar.update(len(ids))
+        if sum(len(b["input_ids"]) for b in buffer) >= spec.shard_tokens:
+            shards.append(_write_shard(out_dir, len(shards), buffer, header))
+            buffer = []
+    if buffer:
+        shards.append(_write_shard(out_dir, len(shards), buffer, header))
+    bar.close()
+    index = {**header, "records": sum(len(s["records"]) for s in shards),
+             "tokens": sum(r["length"] for s in shards for r in s["records"]), "shards": shards}
+    (out_dir / "index.json").write_text(json.dumps(index, indent=1) + "\n")
+    return index
+
+
+def _write_shard(out_dir: Path, number: int, buffer: list[dict], header: dict) -> dict:
+    """Concatenate a buffer of sequences into one shard (atomic rename); returns its index entry."""
+    name = f"shard-{number:05d}.safetensors"
+    entries, offset = [], 0
+    for b in buffer:
+        entries.append({"id": b["id"], "split": b["split"], "offset": offset, "length": len(b["input_ids"])})
+        offset += len(b["input_ids"])
+    tensors = {
+        "features": torch.cat([b["features"] for b in buffer]).contiguous(),  # [N, n_feat, H]
+        "last_hidden": torch.cat([b["last_hidden"] for b in buffer]).contiguous(),  # [N, H]
+        "input_ids": torch.cat([b["input_ids"] for b in buffer]).to(torch.int32),  # [N]
+        "loss_mask": torch.cat([b["loss_mask"] for b in buffer]),  # [N]
+    }
+    tmp = out_dir / (name + ".partial")
+    save_file(tensors, str(tmp), metadata={"header": json.dumps(header), "records": json.dumps(entries)})
+    tmp.replace(out_dir / name)
+    return {"file": name, "records": entries}
+
+
+def _finished_shards(out_dir: Path, header: dict) -> list[dict]:
+    """Shards of an earlier run of the same command; refuse a cache built with other settings."""
+    shards = []
+    for path in sorted(out_dir.glob("shard-*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        if json.loads(meta.get("header", "{}")) != header:
+            raise DataError(f"{out_dir} holds features from another target, data or layer set: use a new --out")
+        shards.append({"file": path.name, "records": json.loads(meta["records"])})
+    return shards
+
+
+@dataclass
+class CachedSequence:
+    id: str
+    split: str
+    input_ids: torch.Tensor  # [T] int64
+    loss_mask: torch.Tensor  # [T] bool
+    features: torch.Tensor  # [T, n_feat, H] bf16
+    last_hidden: torch.Tensor  # [T, H] bf16
+
+
+class FeatureCache:
+    """Read side of a feature cache: sequences by position, memory-mapped from the shards."""
+
+    def __init__(self, cache_dir: str | Path, split: str | None = None) -> None:
+        self.dir = Path(cache_dir)
+        index_path = self.dir / "index.json"
+        if not index_path.exists():
+            raise DataError(f"{cache_dir} is not a feature cache (no index.json): run `selfdraft data features`")
+        self.index = json.loads(index_path.read_text())
+        self.feature_layers = tuple(self.index["feature_layers"])
+        self.entries = [(s["file"], r) for s in self.index["shards"] for r in s["records"]
+                        if split is None or r["split"] == split]
+        self._handles: dict[str, object] = {}
+
+    def check_target(self, target) -> None:
+        """Refuse features computed by another target (its hidden states would be meaningless)."""
+        if self.index["target"]["fingerprint"] != target.fingerprint():
+            raise DataError(f"{self.dir} was computed with target {self.index['target']['name']}, not {target.name}")
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __getitem__(self, i: int) -> CachedSequence:
+        file, rec = self.entries[i]
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(self.dir / file), "pt")
+        f = self._handles[file]
+        lo, hi = rec["offset"], rec["offset"] + rec["length"]
+        return CachedSequence(
+            id=rec["id"], split=rec["split"],
+            input_ids=f.get_slice("input_ids")[lo:hi].long(),
+            loss_mask=f.get_slice("loss_mask")[lo:hi].bool(),
+            features=f.get_slice("features")[lo:hi],
+            last_hidden=f.get_slice("last_hidden")[lo:hi],
+        )

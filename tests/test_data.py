@@ -1,0 +1,363 @@
+"""Training data pipeline: prompt sources, regeneration (batched, resumable), masks, features, vocab."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from selfdraft.config import SamplingParams
+from selfdraft.target import Target, cache_root
+from selfdraft.training.data import (
+    DataError,
+    DraftVocab,
+    Prompt,
+    RegenConfig,
+    ShardWriter,
+    SourceStats,
+    build_draft_vocab,
+    check_not_eval,
+    collect_prompts,
+    iter_records,
+    load_records,
+    prompt_id,
+    regenerate,
+    sample_batch,
+    select_prompts,
+    split_of,
+    tokenize_conversation,
+)
+from selfdraft.training.features import (
+    FeatureCache,
+    FeatureSpec,
+    compute_features,
+    estimate_bytes,
+    write_feature_cache,
+)
+from tests.conftest import tiny_llama
+
+EMBEDDED_DIR = cache_root() / "targets" / "smollm2-135m-instruct"
+needs_tokenizer = pytest.mark.skipif(not EMBEDDED_DIR.exists(), reason="embedded target not converted yet")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(EMBEDDED_DIR)
+
+
+@pytest.fixture
+def chat_target(tokenizer) -> Target:
+    """A tiny random Llama speaking the real tokenizer's vocabulary and chat template."""
+    target = Target(tiny_llama(vocab=len(tokenizer), hidden=16, layers=3, max_pos=512), tokenizer, "tiny-chat")
+    target.eos_ids = {tokenizer.eos_token_id}
+    return target
+
+
+def write_jsonl(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+# ---------------------------------------------------------------- prompt sources
+
+
+def test_jsonl_malformed_lines_skipped_and_counted(tmp_path):
+    src = write_jsonl(tmp_path / "p.jsonl", [
+        json.dumps({"turns": ["What is a monad?", "Give an example."]}),
+        json.dumps({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "Hi"},
+                                 {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}]}),
+        '{"turns": ["cut mid-li',  # truncated line
+        "not json at all",
+        json.dumps({"prompt": "unknown shape"}),
+        json.dumps({"messages": [{"role": "assistant", "content": "no user turn"}]}),
+        json.dumps({"turns": ["   "]}),  # empty prompt
+        json.dumps({"turns": ["What is a monad?", "Give an example."]}),  # duplicate
+    ])
+    prompts, stats = collect_prompts([str(src)], num_turns=2)
+    assert stats.as_dict() == {"kept": 2, "malformed": 4, "empty": 1, "duplicates": 1, "too_long": 0}
+    assert sorted(p.turns for p in prompts) == [["Hi", "Bye"], ["What is a monad?", "Give an example."]]
+    first_only, _ = collect_prompts([str(src)], num_turns=1)
+    assert sorted(p.turns for p in first_only) == [["Hi"], ["What is a monad?"]]
+
+
+def test_truncated_sharegpt_json_decoded_record_by_record(tmp_path):
+    records = [
+        {"id": "a", "conversations": [{"from": "human", "value": "Q1"}, {"from": "gpt", "value": "A1"}]},
+        {"id": "b", "conversations": [{"from": "gpt", "value": "only an answer"}]},
+        {"id": "c", "conversations": [{"from": "human", "value": "Q2"}, {"from": "gpt", "value": "A2"},
+                                      {"from": "human", "value": "Q3"}]},
+        {"id": "d", "conversations": [{"from": "human", "value": "Q4 will be cut off"}]},
+    ]
+    text = json.dumps(records, indent=2)
+    path = tmp_path / "sharegpt.json"
+    path.write_text(text[: text.index("Q4") + 3])  # cut mid-record, like the packaged file
+    prompts, stats = collect_prompts([str(path)], num_turns=2)
+    assert sorted(p.turns for p in prompts) == [["Q1"], ["Q2", "Q3"]]
+    assert (stats.kept, stats.malformed) == (2, 2)  # "b" has no user turn; "d" is the cut tail
+
+
+def test_empty_prompts_rejected(tmp_path):
+    src = write_jsonl(tmp_path / "p.jsonl", [json.dumps({"turns": [""]}), json.dumps({"turns": ["\n\t "]}),
+                                             json.dumps({"messages": [{"role": "user", "content": ""}]})])
+    prompts, stats = collect_prompts([str(src)])
+    assert prompts == [] and stats.empty == 3
+
+
+def test_overlong_prompts_filtered_with_count():
+    prompts = [Prompt(prompt_id([t]), "x", [t], "train") for t in ["a" * n for n in (5, 50, 8, 80, 3)]]
+    prompts.sort(key=lambda p: p.id)
+    stats = SourceStats(kept=5)
+    chosen = select_prompts(prompts, lambda p: len(p.turns[0]), max_prompt_tokens=10, limit=None, stats=stats)
+    assert sorted(len(p.turns[0]) for p in chosen) == [3, 5, 8]
+    assert (stats.kept, stats.too_long) == (3, 2)
+    limited = select_prompts(prompts, lambda p: len(p.turns[0]), 10, limit=1, stats=SourceStats())
+    assert len(limited) == 1
+
+
+def test_split_is_a_stable_function_of_the_prompt():
+    ids = [prompt_id([f"prompt {i}"]) for i in range(2000)]
+    splits = [split_of(i, 0.05) for i in ids]
+    assert splits == [split_of(i, 0.05) for i in ids]
+    assert 0.03 < splits.count("val") / len(ids) < 0.07
+    assert all(split_of(i, 0.0) == "train" for i in ids)
+
+
+@pytest.mark.parametrize("where", ["shared", "component", "bundled"])
+def test_evaluation_prompts_refused(tmp_path, where):
+    import selfdraft.training.data as data
+
+    path = {
+        "shared": Path("/work/shared/data/eval/alpaca.jsonl"),
+        "component": tmp_path / "data" / "eval" / "mine.jsonl",
+        "bundled": Path(data.__file__).resolve().parents[1] / "bench" / "prompts" / "mt_bench.jsonl",
+    }[where]
+    with pytest.raises(DataError, match="evaluation"):
+        check_not_eval(path)
+    if where == "component":
+        path.parent.mkdir(parents=True)
+        write_jsonl(path, [json.dumps({"turns": ["hi"]})])
+        with pytest.raises(DataError, match="evaluation"):
+            collect_prompts([str(path)])
+    check_not_eval(tmp_path / "data" / "train.jsonl")  # a neighbour is fine
+
+
+# ---------------------------------------------------------------- assistant mask
+
+
+def masked_spans(ids: list[int], mask: list[int]) -> list[list[int]]:
+    spans, cur = [], []
+    for t, m in zip(ids, mask):
+        if m:
+            cur.append(t)
+        elif cur:
+            spans.append(cur)
+            cur = []
+    return spans + ([cur] if cur else [])
+
+
+@needs_tokenizer
+def test_assistant_mask_covers_exactly_the_assistant_tokens(tokenizer):
+    msgs = [
+        {"role": "user", "content": "Name two primes."},
+        {"role": "assistant", "content": "2 and 3.\n\nBoth are prime."},
+        {"role": "user", "content": "And a third?"},
+        {"role": "assistant", "content": "5 ```code``` <b>bold</b>"},
+    ]
+    conv = tokenize_conversation(tokenizer, msgs)
+    full = tokenizer.apply_chat_template(msgs, tokenize=False)
+    assert conv.input_ids == tokenizer(full, add_special_tokens=False)["input_ids"]  # same as the template
+    assert len(conv.loss_mask) == len(conv.input_ids)
+    spans = masked_spans(conv.input_ids, conv.loss_mask)
+    end = tokenizer.eos_token  # <|im_end|>
+    assert [tokenizer.decode(s) for s in spans] == [m["content"] + end for m in msgs if m["role"] == "assistant"]
+    assert "assistant" not in "".join(tokenizer.decode(s) for s in spans)  # never the role header
+
+
+@needs_tokenizer
+def test_truncated_last_answer_gets_no_end_token(tokenizer):
+    msgs = [{"role": "user", "content": "Count."}, {"role": "assistant", "content": "1 2 3 4"}]
+    conv = tokenize_conversation(tokenizer, msgs, open_last=True)
+    prompt = tokenizer.apply_chat_template(msgs[:1], add_generation_prompt=True, tokenize=False)
+    assert tokenizer.decode(conv.input_ids) == prompt + "1 2 3 4"
+    assert [tokenizer.decode(s) for s in masked_spans(conv.input_ids, conv.loss_mask)] == ["1 2 3 4"]
+
+
+# ---------------------------------------------------------------- regeneration
+
+
+def test_batched_sampling_equals_one_by_one():
+    """Left padding + mask + positions + dropping finished rows must not change any row (greedy, fp32)."""
+    target = Target(tiny_llama(vocab=64, layers=2))
+    target.eos_ids = {7}
+    prompts = [[5, 9, 11], [3] * 9, [20, 21], [1, 2, 3, 4, 5, 6]]
+    alone = [sample_batch(target, [p], SamplingParams(), 12)[0] for p in prompts]
+    together = sample_batch(target, prompts, SamplingParams(), 12)
+    assert together == alone
+    assert all(len(r) == 12 or r[-1] == 7 for r in together)
+    assert any(r[-1] == 7 for r in together)  # some rows really finish early and leave the batch
+
+
+def prompt_file(tmp_path: Path, n: int) -> list[Prompt]:
+    src = write_jsonl(tmp_path / "prompts.jsonl", [json.dumps({"turns": [f"Question number {i}?" + " more" * (i % 4),
+                                                                          f"Follow-up {i}"]}) for i in range(n)])
+    prompts, _ = collect_prompts([str(src)], num_turns=2, val_fraction=0.2)
+    return prompts
+
+
+@needs_tokenizer
+def test_resume_after_kill_loses_and_duplicates_nothing(tmp_path, chat_target):
+    prompts = prompt_file(tmp_path, 7)
+    cfg = RegenConfig(max_new_tokens=4, batch_size=2, shard_size=3, num_turns=2)
+    reference = regenerate(chat_target, prompts, tmp_path / "ref", cfg, progress=False)
+    assert reference.written == 7
+
+    out = tmp_path / "killed"
+    first = regenerate(chat_target, prompts, out, cfg, progress=False, stop_after_batches=2)
+    assert first.written == 4
+    last = sorted(out.glob("shard-*.jsonl"))[-1]
+    with open(last, "a") as f:
+        f.write('{"id": "half-written rec')  # killed mid-line
+    second = regenerate(chat_target, prompts, out, cfg, progress=False)
+    assert (second.written, second.skipped_done) == (3, 4)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no malformed line may remain
+        got = load_records(out)
+    ids = [r["id"] for r in got]
+    assert len(ids) == len(set(ids)) == 7 and set(ids) == {p.id for p in prompts}
+    assert sorted(got, key=lambda r: r["id"]) == sorted(load_records(tmp_path / "ref"), key=lambda r: r["id"])
+    assert len(list(out.glob("shard-*.jsonl"))) == 3  # shard_size 3 -> 3 + 3 + 1
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] and len(manifest["runs"]) == 2
+    totals = manifest["totals"]
+    assert totals["train"]["records"] + totals["val"]["records"] == 7
+    for split in ("train", "val"):
+        assert [r["id"] for r in load_records(out, split)] == [r["id"] for r in got if r["split"] == split]
+
+
+@needs_tokenizer
+def test_regenerated_records_follow_the_contract(tmp_path, chat_target, tokenizer):
+    prompts = prompt_file(tmp_path, 3)
+    regenerate(chat_target, prompts, tmp_path / "d", RegenConfig(max_new_tokens=3, batch_size=3, num_turns=2),
+               progress=False)
+    for rec in iter_records(tmp_path / "d"):
+        assert set(rec) == {"id", "split", "source", "messages", "input_ids", "loss_mask"}
+        assert rec["messages"][0]["role"] == "user" and rec["messages"][1]["role"] == "assistant"
+        # a random tiny model never says <|im_end|> within 3 tokens: the first answer is cut, so the
+        # conversation stops there and the mask covers exactly the 3 sampled tokens
+        assert len(rec["messages"]) == 2 and sum(rec["loss_mask"]) == 3
+        assert rec["loss_mask"][-3:] == [1, 1, 1]
+        templ = tokenizer.apply_chat_template(rec["messages"][:1], add_generation_prompt=True, tokenize=False)
+        assert tokenizer.decode(rec["input_ids"]).startswith(templ)
+
+
+@needs_tokenizer
+def test_resume_refuses_other_sampling(tmp_path, chat_target):
+    prompts = prompt_file(tmp_path, 2)
+    regenerate(chat_target, prompts, tmp_path / "d", RegenConfig(max_new_tokens=2), progress=False)
+    with pytest.raises(DataError, match="another target or sampling"):
+        regenerate(chat_target, prompts, tmp_path / "d", RegenConfig(max_new_tokens=2, temperature=1.0),
+                   progress=False)
+
+
+def test_iter_records_skips_malformed_lines_with_a_warning(tmp_path):
+    good = {"id": "a", "split": "train", "source": "s", "messages": [], "input_ids": [1, 2], "loss_mask": [0, 1]}
+    write_jsonl(tmp_path / "shard-00000.jsonl", [
+        json.dumps(good),
+        json.dumps({**good, "id": "b", "loss_mask": [1]}),  # length mismatch
+        json.dumps({**good, "id": "c", "split": "test"}),
+        '{"id": "d", "split": "tr',
+    ])
+    with pytest.warns(UserWarning, match="skipped 3 malformed"):
+        assert [r["id"] for r in iter_records(tmp_path)] == ["a"]
+    with pytest.raises(DataError, match="no shard"):
+        list(iter_records(tmp_path / "empty"))
+
+
+# ---------------------------------------------------------------- draft vocabulary
+
+
+def test_draft_vocab_counts_assistant_tokens_only(tmp_path):
+    writer = ShardWriter(tmp_path)
+    rec = {"split": "train", "source": "s", "messages": []}
+    writer.write([
+        {**rec, "id": "1", "input_ids": [9, 9, 9, 9, 4, 4, 7], "loss_mask": [0, 0, 0, 1, 1, 1, 1]},
+        {**rec, "id": "2", "input_ids": [4, 2, 2, 5], "loss_mask": [1, 1, 1, 0]},
+        {**rec, "id": "3", "split": "val", "input_ids": [8, 8, 8], "loss_mask": [1, 1, 1]},
+    ])
+    vocab = build_draft_vocab(tmp_path, size=3, vocab_size=12)
+    # assistant counts (train): 4 x3, 2 x2, 9 x1, 7 x1 -> top 3 = {4, 2, 7} (tie 7 vs 9: lower id)
+    assert vocab.target_ids.tolist() == [2, 4, 7]
+    assert vocab.d2t.tolist() == [2, 3, 5] and vocab.d2t.dtype == torch.long
+    assert vocab.t2d.nonzero().squeeze(-1).tolist() == [2, 4, 7] and vocab.t2d.dtype == torch.bool
+    assert vocab.coverage == pytest.approx(6 / 7)
+    loaded = DraftVocab.load(tmp_path / "draft_vocab_3.safetensors")
+    assert torch.equal(loaded.d2t, vocab.d2t) and torch.equal(loaded.t2d, vocab.t2d)
+    assert loaded.coverage == pytest.approx(vocab.coverage, abs=1e-6)
+
+
+# ---------------------------------------------------------------- features
+
+
+def direct_states(target: Target, ids: torch.Tensor, layers: tuple[int, ...]):
+    out = target.model(ids, output_hidden_states=True)
+    return torch.stack([out.hidden_states[i + 1][0] for i in layers], dim=1), out.logits[0]
+
+
+def test_features_equal_the_targets_hidden_states():
+    target = Target(tiny_llama(layers=5))
+    ids = torch.randint(0, 96, (1, 23))
+    layers = (0, 2, 3)
+    feats, last = compute_features(target, ids, layers)
+    assert feats.shape == (23, 3, 32) and last.shape == (23, 32)
+    hidden, logits = direct_states(target, ids, layers)
+    torch.testing.assert_close(feats, hidden)
+    torch.testing.assert_close(target.lm_head(last), logits)  # last_hidden is after the final norm
+
+
+@needs_tokenizer
+def test_feature_cache_round_trip_and_resume(tmp_path, chat_target):
+    data = tmp_path / "d"
+    regenerate(chat_target, prompt_file(tmp_path, 5), data, RegenConfig(max_new_tokens=6, batch_size=5), progress=False)
+    spec = FeatureSpec(feature_layers=(0, 1), shard_tokens=60)
+    out = tmp_path / "f"
+    index = write_feature_cache(chat_target, data, out, spec, progress=False)
+    assert len(index["shards"]) > 1 and index["records"] == 5
+    files = list(out.glob("shard-*.safetensors"))
+    stored = sum(f.stat().st_size for f in files)
+    assert abs(stored - estimate_bytes(data, chat_target, spec)) < 0.1 * stored + 2000 * len(files)  # + headers
+
+    cache = FeatureCache(out)
+    cache.check_target(chat_target)
+    by_id = {r["id"]: r for r in iter_records(data)}
+    for i in range(len(cache)):
+        seq = cache[i]
+        rec = by_id[seq.id]
+        assert seq.input_ids.tolist() == rec["input_ids"] and seq.loss_mask.int().tolist() == rec["loss_mask"]
+        feats, last = compute_features(chat_target, seq.input_ids[None], (0, 1))
+        torch.testing.assert_close(seq.features, feats.to(torch.bfloat16))
+        torch.testing.assert_close(seq.last_hidden, last.to(torch.bfloat16))
+        assert seq.features.dtype == torch.bfloat16 and seq.features.shape[1:] == (2, 16)
+
+    first_shard = (out / "shard-00000.safetensors").stat().st_mtime_ns
+    (out / "index.json").unlink()
+    (sorted(files)[-1]).unlink()  # a killed run: last shard missing
+    again = write_feature_cache(chat_target, data, out, spec, progress=False)
+    assert again["records"] == 5 and (out / "shard-00000.safetensors").stat().st_mtime_ns == first_shard
+    with pytest.raises(DataError, match="another target"):
+        write_feature_cache(chat_target, data, out, FeatureSpec(feature_layers=(1,)), progress=False)
+
+
+@pytest.mark.slow
+def test_embedded_target_features_equal_hidden_states(embedded_fp32):
+    ids = torch.tensor([embedded_fp32.encode_prompt("Explain speculative decoding in one sentence.")])
+    layers = embedded_fp32.default_feature_layers()
+    feats, last = compute_features(embedded_fp32, ids, layers)
+    hidden, logits = direct_states(embedded_fp32, ids, layers)
+    torch.testing.assert_close(feats, hidden)
+    torch.testing.assert_close(embedded_fp32.lm_head(last), logits)
