@@ -369,5 +369,52 @@ def train_cmd(
           file=sys.stderr)
 
 
+# ---------------------------------------------------------------- bench (drafters vs plain decoding vs HF peers)
+@app.command("bench")
+def bench_cmd(
+    out: Path = typer.Option(..., "--out", "-o", help="output dir: results.json, report.md, PNG plots"),
+    target: Optional[str] = TargetOpt,
+    drafters: str = typer.Option("none,ngram", "--drafters", help="comma list: NAME | LABEL:DIR | DIR (checkpoint)"),
+    datasets: str = typer.Option("mt-bench,humaneval,gsm8k", "--datasets", help="comma list of bundled names or JSONL paths"),
+    num_prompts: int = typer.Option(10, "--num-prompts", help="first N prompts of each dataset"),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
+    temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    gamma: int = typer.Option(7, "--gamma", help="draft tokens per round (γ); also HF prompt_lookup_num_tokens"),
+    repeats: int = typer.Option(1, "--repeats", help="passes over the prompts; tokens/s = median"),
+    seed: int = typer.Option(0, "--seed"),
+    peers: bool = typer.Option(True, "--peers/--no-peers", help="also run HF generate() and HF prompt lookup"),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: torch's)"),
+    dtype: str = DtypeOpt,
+    as_json: bool = typer.Option(False, "--json", help="print results.json to stdout"),
+) -> None:
+    """Benchmark drafters on bundled prompt sets, interleaved in one run; writes a report with plots."""
+    import shlex
+
+    import torch
+
+    from selfdraft.bench import BenchConfig, load_prompt_set, markdown_table, parse_drafter_spec, run_bench, write_report
+    from selfdraft.target import Target, TargetError
+
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        cfg = BenchConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, gamma=gamma,
+                          repeats=repeats, seed=seed, peers=peers,
+                          command=shlex.join(["selfdraft", *sys.argv[1:]]))
+        sets = [load_prompt_set(s.strip(), num_prompts) for s in datasets.split(",") if s.strip()]
+        specs = [parse_drafter_spec(s) for s in drafters.split(",") if s.strip()]
+        tgt = Target.load(target, dtype=dtype)
+        results = run_bench(tgt, specs, sets, cfg)
+        paths = write_report(results, out)
+    except (ConfigError, TargetError, OSError) as e:
+        _fail(str(e))
+    if as_json:
+        print(paths["json"].read_text(), end="")
+    else:
+        print(markdown_table(results), end="")
+        print(f"wall {results.wall_s:.0f}s -> {out}/ ({', '.join(p.name for p in paths.values())})", file=sys.stderr)
+
+
 if __name__ == "__main__":
     app()
