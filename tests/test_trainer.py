@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -178,3 +179,17 @@ def test_cli_trains_dspark_and_its_drafts_are_lossless(target_dir, data, tmp_pat
     spec = generate(target, drafter, prompt, config=cfg)
     plain = generate(target, load_drafter("none", target), prompt, config=cfg)
     assert spec.token_ids == plain.token_ids and max(r.proposed for r in spec.rounds) == 4
+
+
+def test_feature_cache_matches_online_training(toy_method, tiny_target, data, tmp_path):
+    """Training from `selfdraft data features` output follows the online run (up to the cache's bf16)."""
+    from selfdraft.training.features import FeatureSpec, write_feature_cache
+
+    write_feature_cache(tiny_target, data, tmp_path / "feats", FeatureSpec(feature_layers=(1, 2)), progress=False)
+    dcfg, tcfg = cfgs(data, steps=6, save_every=0, val_every=0)
+    online = train(tiny_target, dcfg, tcfg, tmp_path / "online")
+    cached = train(tiny_target, dcfg, replace(tcfg, features=str(tmp_path / "feats")), tmp_path / "cached")
+    for a, b in zip(online.history, cached.history):
+        assert abs(a.loss - b.loss) < 0.02 * a.loss
+    with pytest.raises(ConfigError, match="holds layers"):
+        train(tiny_target, replace(dcfg, feature_layers=(0, 1)), replace(tcfg, features=str(tmp_path / "feats")), tmp_path / "x")

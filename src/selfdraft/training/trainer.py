@@ -15,7 +15,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from tqdm import tqdm
@@ -33,6 +33,9 @@ from selfdraft.checkpoint import (
 from selfdraft.config import ConfigError, DrafterConfig, TrainConfig, from_dict
 from selfdraft.target import Target
 from selfdraft.training.strategy import STRATEGIES, Batch, LossOutput, Strategy
+
+if TYPE_CHECKING:
+    from selfdraft.training.features import CachedSequence
 
 STATE_FILE, LOG_FILE = "trainer_state.pt", "train_log.jsonl"
 # TrainConfig fields that define the optimisation trajectory: a resumed run must keep them.
@@ -83,20 +86,35 @@ class TrainResult:
 class Sequence:
     input_ids: list[int]
     loss_mask: list[int]  # 1 = assistant token (supervised)
+    cached: "CachedSequence | None" = None  # target states from a feature cache (None = run the target online)
 
 
-def load_sequences(data_dir: str | Path, split: str, max_seq_len: int) -> list[Sequence]:
-    """The dataset's `split` records (JSONL shards, see selfdraft.training.data), truncated to max_seq_len.
+def load_sequences(data_dir: str | Path, split: str, max_seq_len: int, features: str = "online",
+                   target: Target | None = None) -> list[Sequence]:
+    """The dataset's `split` records, truncated to max_seq_len.
 
+    With `features` a cache directory (`selfdraft data features`), the target's states come from the
+    memory-mapped cache instead of the dataset, which saves the target forward in every training run.
     Records with nothing left to supervise after truncation are dropped.
     """
     from selfdraft.training.data import load_records
+    from selfdraft.training.features import FeatureCache
 
+    if features == "online":
+        pairs = [(rec["input_ids"], rec["loss_mask"], None) for rec in load_records(data_dir, split)]
+    else:
+        cache = FeatureCache(features, split)
+        if target is not None:
+            cache.check_target(target)
+        pairs = []
+        for i in range(len(cache)):
+            c = cache[i]
+            pairs.append((c.input_ids.tolist(), c.loss_mask.int().tolist(), c))
     seqs = []
-    for rec in load_records(data_dir, split):
-        ids, mask = rec["input_ids"][:max_seq_len], rec["loss_mask"][:max_seq_len]
+    for ids, mask, cached in pairs:
+        ids, mask = ids[:max_seq_len], mask[:max_seq_len]
         if len(ids) >= 2 and any(mask[1:]):
-            seqs.append(Sequence(ids, mask))
+            seqs.append(Sequence(ids, mask, cached))
     return seqs
 
 
@@ -137,13 +155,22 @@ def make_batch(seqs: list[Sequence], target: Target, feature_layers: tuple[int, 
         loss_mask[b, :n] = torch.tensor(s.loss_mask, dtype=torch.bool)
         attn[b, :n] = True
     ids, loss_mask, attn = ids.to(device), loss_mask.to(device), attn.to(device)
-    step = target.forward(ids, None, feature_layers, attention_mask=attn.long())
+    if all(s.cached is not None for s in seqs):
+        feats = torch.zeros(len(seqs), T, len(feature_layers), target.hidden_size)  # [B, T, n_feat, H]
+        last = torch.zeros(len(seqs), T, target.hidden_size)  # [B, T, H]
+        for b, s in enumerate(seqs):
+            n = len(s.input_ids)
+            feats[b, :n], last[b, :n] = s.cached.features[:n].float(), s.cached.last_hidden[:n].float()
+    else:
+        step = target.forward(ids, None, feature_layers, attention_mask=attn.long(), last_only=True)
+        feats = step.features.to(torch.float32, copy=True)
+        last = step.last_hidden.to(torch.float32, copy=True)
     return Batch(
         input_ids=ids,
         loss_mask=loss_mask & attn,
         attention_mask=attn,
-        features=step.features.to(torch.float32, copy=True),  # [B, T, n_feat, H]
-        last_hidden=step.last_hidden.to(torch.float32, copy=True),  # [B, T, H]
+        features=feats.to(device),  # [B, T, n_feat, H]
+        last_hidden=last.to(device),  # [B, T, H]
     )
 
 
@@ -189,13 +216,18 @@ def train(
             f"strategy {strategy.method!r} is not the one registered for drafter_cfg.method {drafter_cfg.method!r}: "
             "register it with register_strategy (checkpoints are rebuilt from STRATEGIES[method])"
         )
-    if train_cfg.features != "online":
-        raise ConfigError(f"features={train_cfg.features!r}: the trainer computes target features online only (use 'online')")
     if target.model.dtype != torch.float32 and not train_cfg.bf16:
         raise ConfigError(f"a {target.model.dtype} target needs bf16 autocast: enable bf16, or load the target in float32")
     cfg = replace(drafter_cfg, feature_layers=drafter_cfg.feature_layers or target.default_feature_layers())
-    train_seqs = load_sequences(train_cfg.data, "train", train_cfg.max_seq_len)
-    val_seqs = load_sequences(train_cfg.data, "val", train_cfg.max_seq_len)[: train_cfg.val_batches * train_cfg.batch_size]
+    if train_cfg.features != "online":
+        from selfdraft.training.features import FeatureCache
+
+        cached_layers = FeatureCache(train_cfg.features).feature_layers
+        if cached_layers != tuple(cfg.feature_layers):
+            raise ConfigError(f"feature cache {train_cfg.features} holds layers {cached_layers}, the drafter reads "
+                              f"{cfg.feature_layers}: pass --feature-layers {','.join(map(str, cached_layers))} or rebuild the cache")
+    train_seqs = load_sequences(train_cfg.data, "train", train_cfg.max_seq_len, train_cfg.features, target)
+    val_seqs = load_sequences(train_cfg.data, "val", train_cfg.max_seq_len, train_cfg.features, target)[: train_cfg.val_batches * train_cfg.batch_size]
     if not train_seqs:
         raise ConfigError(f"{train_cfg.data} has no usable train records (need >= 2 tokens and a supervised token)")
 
