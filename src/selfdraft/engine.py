@@ -1,0 +1,332 @@
+"""Batched speculative engine: many requests, ONE target forward per step (DESIGN sections 2, 8, 13).
+
+Each request has its own committed tokens, drafter instance, SamplingParams and torch.Generator.
+A step: every active request drafts, the `Scheduler` picks ℓ_r, all requests' [anchor, first ℓ_r
+drafts] go through one target forward, each request is verified with the same functions as the
+single-request loop (`decode.verify`), and its drafter observes its committed states. Requests
+join (`add_request`, prefilled in their own forward at the next step) and leave (finish or
+`cancel`) between steps: continuous batching.
+
+Ragged lengths are handled by padding (`PaddedCache`), not packing. Measured on the embedded target
+(bf16, 2 shared CPU cores, KV 300 per request, ℓ_r uniform in 0..7, one verification forward):
+R = 4: padded [4, 8] 704 ms vs packed [1, 23] 965 ms; R = 16: padded [16, 8] 812 ms vs packed
+[1, 67] 913 ms. Packing saves the pad tokens in the linear layers, but with HF's attention it needs
+one cache row holding every request and a block-diagonal mask, so each query attends over R·S
+keys instead of S; padding keeps attention per request and HF's 2D padding masks. Cost: the
+forward carries R·(max ℓ_r + 1) tokens, not the B = Σ(ℓ_r + 1) that Algorithm 1 prices.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from selfdraft.config import GenerationConfig, SamplingParams
+from selfdraft.decode import GenerationResult, RoundStats, verify
+from selfdraft.drafters.base import Drafter, Proposal
+from selfdraft.scheduler import Scheduler
+from selfdraft.target import Target, TargetError, TargetStep
+
+
+@dataclass
+class StepOutput:
+    request_id: int
+    new_tokens: list[int]  # tokens committed for this request in this step (may be empty)
+    finished: bool
+    finish_reason: str | None = None  # "eos" | "length" when finished
+
+
+class PaddedCache:
+    """One HF DynamicCache [R, n_kv, S, d] for R requests plus `valid` [R, S] (bool).
+
+    Row r holds request r's committed tokens except its anchor, at any slots: positions are
+    explicit (baked into the rotated keys), so slot order does not matter and rejected drafts
+    simply become masked holes. `compact()` squeezes the holes out when they pile up.
+    """
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        self.cache = target.new_cache()
+        self.valid = torch.zeros(0, 0, dtype=torch.bool)
+
+    @property
+    def rows(self) -> int:
+        return self.valid.shape[0]
+
+    def _tensors(self, cache: DynamicCache):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+
+    def add_row(self, row: DynamicCache) -> None:
+        """Append a prefilled batch-1 cache [1, n_kv, P, d] as the last row."""
+        P = row.get_seq_length()
+        if self.rows == 0:
+            self.cache, self.valid = row, torch.ones(1, P, dtype=torch.bool)
+            return
+        S = max(self.valid.shape[1], P)
+        pad = lambda t: F.pad(t, (0, 0, 0, S - t.shape[-2]))  # noqa: E731  [.., n, d] -> [.., S, d]
+        for layer, (k1, v1) in zip(self.cache.layers, self._tensors(row)):
+            layer.keys = torch.cat([pad(layer.keys), pad(k1)])
+            layer.values = torch.cat([pad(layer.values), pad(v1)])
+        new = F.pad(torch.ones(1, P, dtype=torch.bool), (0, S - P))
+        self.valid = torch.cat([F.pad(self.valid, (0, S - self.valid.shape[1])), new])
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Drop every row not in `rows` (finished or cancelled requests)."""
+        if not rows:
+            self.cache, self.valid = self.target.new_cache(), torch.zeros(0, 0, dtype=torch.bool)
+            return
+        idx = torch.tensor(rows)
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys[idx], layer.values[idx]
+        self.valid = self.valid[idx]
+
+    def compact(self, slack: int) -> None:
+        """If more than `slack` slots of the longest row are holes, move each row's valid slots to
+        the front (order kept) and cut the cache to the longest row."""
+        S, n_max = self.valid.shape[1], int(self.valid.sum(1).max())
+        if S - n_max <= slack:
+            return
+        order = torch.sort((~self.valid).int(), dim=1, stable=True).indices[:, :n_max]  # [R, n_max]
+        for layer in self.cache.layers:
+            gather = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            layer.keys, layer.values = layer.keys.gather(2, gather), layer.values.gather(2, gather)
+        self.valid = self.valid.gather(1, order)
+
+
+@dataclass
+class _Request:
+    id: int
+    prompt: list[int]
+    drafter: Drafter
+    params: SamplingParams
+    config: GenerationConfig
+    generator: torch.Generator | None
+    result: GenerationResult
+    out: list[int] = field(default_factory=list)
+    t_start: float = 0.0
+
+    def finished(self, target: Target) -> bool:
+        """Same stopping rule as decode.generate; sets result.finish_reason."""
+        if self.config.stop_on_eos and self.out[-1] in target.eos_ids:
+            self.result.finish_reason = "eos"
+            return True
+        self.result.finish_reason = "length"
+        return len(self.out) >= self.config.max_new_tokens
+
+
+class Engine:
+    """Continuous-batching speculative engine. `add_request` -> id; `step()` -> [StepOutput]."""
+
+    def __init__(
+        self, target: Target, scheduler: Scheduler | None = None, max_concurrency: int = 64, compact_slack: int = 64
+    ) -> None:
+        self.target = target
+        self.scheduler = scheduler or Scheduler("fixed")
+        self.max_concurrency = max_concurrency
+        self.compact_slack = compact_slack
+        self.kv = PaddedCache(target)
+        self.active: list[_Request] = []  # row r of self.kv belongs to self.active[r]
+        self.pending: list[_Request] = []
+        self.results: dict[int, GenerationResult] = {}
+        self._next_id = 0
+
+    def add_request(
+        self,
+        prompt_ids: list[int],
+        drafter: Drafter,
+        params: SamplingParams = SamplingParams(),
+        config: GenerationConfig = GenerationConfig(),
+    ) -> int:
+        """Queue a request; it is prefilled at the next step. The drafter instance must be its own."""
+        if not prompt_ids:
+            raise TargetError("empty prompt")
+        if len(prompt_ids) + config.max_new_tokens > self.target.max_context:
+            raise TargetError(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({config.max_new_tokens}) exceeds the "
+                f"target's context of {self.target.max_context} tokens"
+            )
+        rid, self._next_id = self._next_id, self._next_id + 1
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        res = GenerationResult(prompt_token_ids=list(prompt_ids), token_ids=[])
+        self.pending.append(_Request(rid, list(prompt_ids), drafter, params, config, gen, res))
+        return rid
+
+    def cancel(self, request_id: int) -> None:
+        """Stop a request now (between steps); its partial result stays in `results`."""
+        for r, req in enumerate(self.active):
+            if req.id == request_id:
+                self._finish(req, "cancelled")
+                del self.active[r]
+                self.kv.keep_rows([i for i in range(self.kv.rows) if i != r])
+                return
+        self.pending = [q for q in self.pending if q.id != request_id]
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.active or self.pending)
+
+    def step(self) -> list[StepOutput]:
+        """Admit pending requests, then one speculative round for every active request."""
+        outputs = self._admit()
+        if not self.active:
+            return outputs
+        reqs = self.active
+        # 1. Every request drafts at most what still fits under max_new_tokens (one slot for the bonus).
+        t0 = time.perf_counter()
+        proposals = []
+        for q in reqs:
+            budget = min(q.config.gamma, q.config.max_new_tokens - len(q.out) - 1)
+            proposals.append(q.drafter.propose(q.prompt + q.out, budget, q.params, q.generator).truncate(budget))
+        # 2. The scheduler picks ℓ_r from the confidences (and SPS).
+        ells = self.scheduler.lengths(proposals)
+        proposals = [p.truncate(n) for p, n in zip(proposals, ells)]
+        t1 = time.perf_counter()
+        # 3. ONE target forward over [anchor_r, d_r1..d_rℓ_r], padded to W = max ℓ_r + 1.
+        step, layers = self._verify_forward(reqs, proposals, ells)
+        verify_s = time.perf_counter() - t1
+        # 4. Verify each request with its own generator; commit (stop at EOS).
+        keep_slots = torch.zeros(len(reqs), step.logits.shape[1], dtype=torch.bool)
+        alive = []
+        for r, (q, p) in enumerate(zip(reqs, proposals)):
+            v = verify(step.logits[r, : ells[r] + 1], p, q.params, q.generator)
+            new = v.tokens
+            if q.config.stop_on_eos:
+                eos_at = next((i for i, t in enumerate(new) if t in self.target.eos_ids), None)
+                new = new if eos_at is None else new[: eos_at + 1]
+            q.out.extend(new)
+            keep_slots[r, : v.num_accepted + 1] = True  # the old anchor + accepted drafts
+            # 5. The drafter sees the target's states at the newly committed positions.
+            q.drafter.observe(v, _row_step(step, r, v.num_accepted + 1, layers, q.drafter.feature_layers))
+            q.result.rounds.append(RoundStats(len(p.tokens), v.num_accepted, (t1 - t0) / len(reqs), verify_s))
+            done = q.finished(self.target)
+            if done:
+                self._finish(q, q.result.finish_reason)
+            else:
+                alive.append(r)
+            outputs.append(StepOutput(q.id, new, done, q.result.finish_reason if done else None))
+        # 6. Cache: keep anchors + accepted drafts, drop finished rows, squeeze holes when they pile up.
+        self.kv.valid = torch.cat([self.kv.valid, keep_slots], 1)
+        self.active = [reqs[r] for r in alive]
+        self.kv.keep_rows(alive)
+        if self.kv.rows:
+            self.kv.compact(self.compact_slack)
+        return outputs
+
+    def _verify_forward(
+        self, reqs: list[_Request], proposals: list[Proposal], ells: list[int]
+    ) -> tuple[TargetStep, tuple[int, ...]]:
+        """Input [R, W] (pads repeat the anchor), positions = committed count + i, mask = valid
+        cache slots + the request's own ℓ_r + 1 block slots. Returns the step ([R, W, ...]) and the
+        union of the drafters' feature layers it carries."""
+        R, W = len(reqs), max(ells) + 1
+        ids = torch.stack([torch.tensor([q.out[-1]] * W) for q in reqs])  # [R, W]
+        for r, p in enumerate(proposals):
+            ids[r, 1 : ells[r] + 1] = p.tokens
+        anchor_pos = torch.tensor([len(q.prompt) + len(q.out) - 1 for q in reqs])  # = cached tokens per row
+        assert torch.equal(self.kv.valid.sum(1), anchor_pos), "cache rows out of sync with committed tokens"
+        pos = (anchor_pos[:, None] + torch.arange(W)).clamp(max=self.target.max_context - 1)  # [R, W]
+        block = torch.arange(W)[None] <= torch.tensor(ells)[:, None]  # [R, W]
+        mask = torch.cat([self.kv.valid, block], 1).long()  # [R, S + W]
+        layers = tuple(sorted(set().union(*(q.drafter.feature_layers for q in reqs))))
+        return self.target.forward(ids, self.kv.cache, layers, position_ids=pos, attention_mask=mask), layers
+
+    def _admit(self) -> list[StepOutput]:
+        """Prefill pending requests (each in its own forward) while there is room; emit first tokens."""
+        outputs = []
+        while self.pending and len(self.active) < self.max_concurrency:
+            q = self.pending.pop(0)
+            q.t_start = time.perf_counter()
+            row = self.target.new_cache()
+            step = self.target.forward(torch.tensor([q.prompt]), row, q.drafter.feature_layers, last_only=True)
+            q.out.append(verify(step.logits[0, -1:], Proposal.empty(), q.params, q.generator).next_token)
+            q.drafter.begin(list(q.prompt), step)
+            q.result.prefill_s = time.perf_counter() - q.t_start
+            done = q.finished(self.target)
+            outputs.append(StepOutput(q.id, [q.out[0]], done, q.result.finish_reason if done else None))
+            if done:
+                self._finish(q, q.result.finish_reason)
+            else:
+                self.active.append(q)
+                self.kv.add_row(row)
+        return outputs
+
+    def _finish(self, q: _Request, reason: str) -> None:
+        q.result.token_ids, q.result.finish_reason = q.out, reason
+        q.result.elapsed_s = time.perf_counter() - q.t_start if q.t_start else 0.0
+        self.results[q.id] = q.result
+
+    def run(self) -> dict[int, GenerationResult]:
+        """Step until every queued request has finished; results by request id."""
+        while self.has_unfinished:
+            self.step()
+        return self.results
+
+
+def _row_step(step: TargetStep, r: int, n: int, layers: tuple[int, ...], own: tuple[int, ...]) -> TargetStep:
+    """Request r's first n positions, with only its own drafter's feature layers ([1, n, ...])."""
+    feats = None
+    if own:
+        feats = step.features[r : r + 1, :n][:, :, [layers.index(i) for i in own]]
+    return TargetStep(logits=step.logits[r : r + 1, :n], features=feats, last_hidden=step.last_hidden[r : r + 1, :n])
+
+
+# ----------------------------------------------------------------------------- throughput
+@dataclass
+class Throughput:
+    """One engine run over a prompt set at a fixed concurrency."""
+
+    scheduler: str
+    concurrency: int
+    requests: int
+    output_tokens: int
+    wall_s: float
+    mean_request_tokens_per_s: float  # mean over requests of tokens / (finish - prefill start)
+    tau: float  # mean accepted length per round over all requests
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+
+def drafter_factory(spec: str, target: Target) -> Callable[[], Drafter]:
+    """Load a drafter (registry name or checkpoint dir) once; each call returns a fresh instance
+    sharing its weights (drafter state is reassigned in begin(), so a shallow copy suffices)."""
+    from selfdraft.drafters import load_drafter
+
+    proto = load_drafter(spec, target)
+    return lambda: copy.copy(proto)
+
+
+def engine_throughput(
+    target: Target,
+    make_drafter: Callable[[], Drafter],
+    prompts: Sequence[list[int]],
+    concurrency: int,
+    scheduler: Scheduler,
+    params: SamplingParams = SamplingParams(),
+    config: GenerationConfig = GenerationConfig(),
+) -> Throughput:
+    """Serve every prompt with at most `concurrency` in flight (joins as others finish)."""
+    engine = Engine(target, scheduler, max_concurrency=concurrency)
+    for ids in prompts:
+        engine.add_request(ids, make_drafter(), params, config)
+    t0 = time.perf_counter()
+    results = engine.run()
+    wall = time.perf_counter() - t0
+    res = list(results.values())
+    rounds = [n for r in res for n in r.accepted_lengths]
+    return Throughput(
+        scheduler=scheduler.kind,
+        concurrency=concurrency,
+        requests=len(res),
+        output_tokens=sum(len(r.token_ids) for r in res),
+        wall_s=wall,
+        mean_request_tokens_per_s=sum(r.tokens_per_s for r in res) / max(1, len(res)),
+        tau=sum(rounds) / max(1, len(rounds)),
+    )

@@ -1,0 +1,135 @@
+"""How many drafts each request verifies this step (DESIGN section 8): fixed | threshold | hardware.
+
+Pure functions on confidences and a cost table, plus the `Scheduler` the engine calls.
+Notation (DSpark paper): c_{r,k} ≈ P(draft k of request r accepted | drafts 1..k-1 accepted),
+a_{r,j} = Π_{i≤j} c_{r,i} (prefix survival), ℓ_r = drafts of request r sent to verification,
+B = tokens in the one target forward (one anchor/bonus slot per request + Σ ℓ_r),
+τ* = expected committed tokens = R + Σ_r Σ_{j≤ℓ_r} a_{r,j}, SPS(B) = target forwards per second
+with B tokens, Θ = τ* · SPS(B) = expected committed tokens per second.
+
+Losslessness: whether draft j of request r is verified ({ℓ_r ≥ j}) may depend on a_{r,1..j}
+(which read the drafts x_{<j}) and on other requests, never on a_{r,j+1..}: c_{j+1} reads x_j, and
+choosing to verify x_j because of x_j's own value biases the output (paper, Appendix A: a (0.7, 0.3)
+target turns into (0.85, 0.15)). Algorithm 1's early stop guarantees it; `early_stop=False` (the
+global search along the same path) exists only to demonstrate the bias in tests.
+"""
+
+from __future__ import annotations
+
+import bisect
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from selfdraft.config import ConfigError
+from selfdraft.drafters.base import Proposal
+
+SCHEDULERS = ("fixed", "threshold", "hardware")
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """SPS(B) measured at a few B (ascending); `profile.py` measures it on the engine's machine."""
+
+    batch_tokens: tuple[int, ...]  # B values measured, strictly ascending, >= 1
+    sps: tuple[float, ...]  # target forwards per second at each B
+
+    def __post_init__(self) -> None:
+        b, s = self.batch_tokens, self.sps
+        if not b or len(b) != len(s) or any(x >= y for x, y in zip(b, b[1:])) or b[0] < 1 or min(s) <= 0:
+            raise ConfigError(f"a cost table needs ascending B >= 1 and positive SPS of equal length, got {b}, {s}")
+
+    def __call__(self, B: int) -> float:
+        """SPS(B): linear between measured B; flat below the first; beyond the last, the forward is
+        assumed throughput-bound (tokens/s constant: SPS(B) = SPS(B_max) · B_max / B)."""
+        b, s = self.batch_tokens, self.sps
+        if B <= b[0]:
+            return s[0]
+        if B >= b[-1]:
+            return s[-1] * b[-1] / B
+        i = bisect.bisect_right(b, B)
+        w = (B - b[i - 1]) / (b[i] - b[i - 1])
+        return s[i - 1] + w * (s[i] - s[i - 1])
+
+
+def prefix_survival(c: torch.Tensor) -> torch.Tensor:
+    """c: [γ] confidences c_k -> a: [γ], a_j = Π_{i≤j} c_i (non-increasing along j)."""
+    return torch.cumprod(c.double().clamp(0.0, 1.0), 0)
+
+
+def threshold_lengths(confidences: Sequence[torch.Tensor], threshold: float) -> list[int]:
+    """Static threshold (diagnostic): ℓ_r = #{j : a_{r,j} ≥ threshold} (a prefix, since a falls along j)."""
+    return [int((prefix_survival(c) >= threshold).sum()) for c in confidences]
+
+
+def hardware_lengths(
+    confidences: Sequence[torch.Tensor], sps: Callable[[int], float], base: int | None = None, early_stop: bool = True
+) -> list[int]:
+    """DSpark Algorithm 1 (DESIGN section 8). confidences: R tensors [γ_r] -> ℓ_r per request.
+
+    `base` = tokens verified regardless (default R: one anchor slot per request; the engine adds
+    the drafts of requests whose drafter has no confidences, counted as accepted, as `fixed` does).
+    """
+    R = len(confidences)
+    # 1. Pool every (r, j) with a_{r,j} > 0, sorted by a descending; ties keep j ascending, so the
+    #    order respects each request's prefix.
+    pool = sorted(
+        ((float(a), r, j) for r, c in enumerate(confidences) for j, a in enumerate(prefix_survival(c).tolist(), 1) if a > 0),
+        key=lambda t: (-t[0], t[1], t[2]),
+    )
+    # 2. Nothing admitted: B = base, τ* = base, Θ_best = τ* · SPS(B).
+    B = R if base is None else base
+    tau = float(B)
+    best = tau * sps(B)
+    lengths = [0] * R
+    best_lengths = list(lengths)
+    # 3. Admit in order; record while Θ improves, stop at the first candidate that does not.
+    for a, r, j in pool:
+        lengths[r], B, tau = j, B + 1, tau + a
+        theta = tau * sps(B)
+        if theta > best:
+            best, best_lengths = theta, list(lengths)
+        elif early_stop:
+            break
+    return best_lengths
+
+
+@dataclass
+class Scheduler:
+    """The engine's choice of ℓ_r. kind: fixed (all drafts) | threshold (a_j ≥ threshold) |
+    hardware (Algorithm 1 on `cost`, from `selfdraft profile`)."""
+
+    kind: str = "fixed"
+    threshold: float = 0.5
+    cost: CostTable | None = None
+    _warned: bool = field(default=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in SCHEDULERS:
+            raise ConfigError(f"scheduler must be one of {SCHEDULERS}, got {self.kind!r}")
+        if self.kind == "hardware" and self.cost is None:
+            raise ConfigError("the hardware scheduler needs a cost table: run `selfdraft profile` (profile.load_cost_table)")
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ConfigError(f"threshold must be in [0, 1], got {self.threshold}")
+
+    def lengths(self, proposals: Sequence[Proposal]) -> list[int]:
+        """ℓ_r for each request's proposal. Drafts without confidences are all verified (fixed)."""
+        full = [len(p.tokens) for p in proposals]
+        if self.kind == "fixed":
+            return full
+        blind = [r for r, p in enumerate(proposals) if p.confidences is None and full[r] > 0]
+        if blind and not self._warned:
+            warnings.warn(f"{self.kind} scheduler: a drafter gives no confidences; its drafts are verified in full (fixed)")
+            self._warned = True
+        scored = [r for r, p in enumerate(proposals) if p.confidences is not None and full[r] > 0]
+        conf = [proposals[r].confidences for r in scored]
+        if self.kind == "threshold":
+            picked = threshold_lengths(conf, self.threshold)
+        else:
+            picked = hardware_lengths(conf, self.cost, base=len(proposals) + sum(full[r] for r in blind))
+        out = [full[r] if r in blind else 0 for r in range(len(proposals))]
+        for r, n in zip(scored, picked):
+            out[r] = n
+        return out
