@@ -1,0 +1,192 @@
+"""Schedulers: Algorithm 1 against hand-computed cases and a brute force over the early-stopped greedy
+path; admission never reads an unsampled token; the paper's Appendix A (a (0.7, 0.3) target turns
+into (0.85, 0.15) under a global search without the early stop, stays exact with it), both with the
+verification functions directly and end to end through the engine."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from functools import partial
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import selfdraft.scheduler as sched_mod
+from selfdraft.config import GenerationConfig, SamplingParams
+from selfdraft.drafters import Drafter, Proposal
+from selfdraft.engine import Engine
+from selfdraft.sampling import probs_from_logits
+from selfdraft.scheduler import CostTable, Scheduler, hardware_lengths, threshold_lengths
+from selfdraft.target import Target
+from selfdraft.verify import verify_chain
+from tests.conftest import tiny_llama
+
+
+def test_cost_table_interpolates_and_saturates():
+    t = CostTable((1, 4, 8), (10.0, 7.0, 5.0))
+    assert t(1) == 10.0 and t(0) == 10.0 and t(4) == 7.0 and t(2) == pytest.approx(9.0) and t(6) == pytest.approx(6.0)
+    assert t(16) == pytest.approx(2.5)  # beyond the table: tokens/s stays SPS(8)·8
+
+
+def test_algorithm1_hand_computed():
+    c = [torch.tensor([0.9, 0.9, 0.5]), torch.tensor([0.6, 0.5])]  # a = (.9, .81, .405), (.6, .3)
+    assert hardware_lengths(c, lambda B: 10.0) == [3, 2]  # light load (memory bound): verify everything
+    assert hardware_lengths(c, lambda B: 10.0 / B) == [0, 0]  # compute bound: only a = 1 drafts would pay
+    # B=2 Θ=20 | +.9 B=3 Θ=29 | +.81 B=4 Θ=37.1 | +.6 B=5 Θ=4.31·9=38.79 | +.405 B=6 Θ=4.715·7=33.0 stop
+    table = CostTable((1, 2, 3, 4, 5, 6, 7), (10.0, 10.0, 10.0, 10.0, 9.0, 7.0, 5.0))
+    assert hardware_lengths(c, table) == [2, 1]
+    assert threshold_lengths(c, 0.5) == [2, 1] and threshold_lengths(c, 0.95) == [0, 0]
+
+
+def brute_force_early_stopped(conf: list[list[float]], sps) -> list[int]:
+    """Slow reference: Θ of every prefix of the sorted candidate path, computed from scratch; the
+    answer is the last prefix before Θ first fails to increase."""
+    R = len(conf)
+    a = {(r, j): math.prod(c[:j]) for r, c in enumerate(conf) for j in range(1, len(c) + 1)}
+    order = sorted((rj for rj in a if a[rj] > 0), key=lambda rj: (-a[rj], rj))
+
+    def theta(n: int) -> tuple[float, list[int]]:
+        lengths = [max([j for rr, j in order[:n] if rr == r], default=0) for r in range(R)]
+        tau = R + sum(a[(r, j)] for r in range(R) for j in range(1, lengths[r] + 1))
+        return tau * sps(R + sum(lengths)), lengths
+
+    n = 0
+    while n < len(order) and theta(n + 1)[0] > theta(n)[0]:
+        n += 1
+    return theta(n)[1]
+
+
+def random_table(rng: random.Random) -> CostTable:
+    """A plausible SPS(B): flat while memory bound, then falling (random knee and slope)."""
+    bs = (1, 2, 4, 8, 16, 32, 64)
+    knee, slope, s, out = rng.choice(bs), rng.uniform(0.3, 1.0), 20.0, []
+    for b in bs:
+        s = s if b <= knee else s * (1 - slope * rng.uniform(0.2, 0.6))
+        out.append(s)
+    return CostTable(bs, tuple(out))
+
+
+def test_algorithm1_equals_brute_force_on_random_cases():
+    rng = random.Random(0)
+    for _ in range(300):
+        conf = [[rng.choice([rng.random(), 1.0, 0.0]) if rng.random() < 0.1 else rng.random() ** 0.3
+                 for _ in range(rng.randint(0, 7))] for _ in range(rng.randint(1, 6))]
+        table = random_table(rng)
+        got = hardware_lengths([torch.tensor(c, dtype=torch.float64) for c in conf], table)
+        assert got == brute_force_early_stopped(conf, table), (conf, table)
+
+
+def admitted_depends_on_later_confidences(early_stop: bool, cases: int = 200) -> bool:
+    """True if some {ℓ_r ≥ j} changes when only c_{r,j+1..} (which read drafts x_{≥j}) change."""
+    rng = random.Random(1)
+    for _ in range(cases):
+        conf = [[rng.random() ** 0.3 for _ in range(rng.randint(1, 6))] for _ in range(rng.randint(1, 4))]
+        table = random_table(rng)
+        run = lambda cs: hardware_lengths([torch.tensor(c, dtype=torch.float64) for c in cs], table, early_stop=early_stop)  # noqa: E731
+        base = run(conf)
+        for r, c in enumerate(conf):
+            for j in range(len(c) + 1):
+                for _ in range(3):
+                    other = [list(x) for x in conf]
+                    other[r][j:] = [rng.random() for _ in c[j:]]
+                    if (run(other)[r] >= j) != (base[r] >= j):
+                        return True
+    return False
+
+
+def test_admission_never_reads_an_unsampled_token():
+    assert not admitted_depends_on_later_confidences(early_stop=True)
+    assert admitted_depends_on_later_confidences(early_stop=False)  # the global search does
+
+
+def test_scheduler_falls_back_to_fixed_without_confidences():
+    s = Scheduler("hardware", cost=CostTable((1,), (1.0,)))
+    props = [Proposal(torch.tensor([1, 2, 3])), Proposal(torch.tensor([4, 5]), confidences=torch.tensor([0.9, 0.1]))]
+    with pytest.warns(UserWarning, match="no confidences"):
+        lengths = s.lengths(props)
+    assert lengths[0] == 3
+    assert Scheduler("fixed").lengths(props) == [3, 2]
+
+
+# ----------------------------------------------------------------------------- Appendix A
+# One request, γ = 2, drafts from q; c_1 = 0.5, c_2 = 1 if x_1 is token m else 0.01 (c_2 reads x_1).
+# DIP: Θ(ℓ=0) = 1 > Θ(1) = 0.9, but Θ(2) = 1.2 if x_1 = m (0.903 otherwise): the early stop keeps
+# ℓ = 0; a global search verifies x_1 exactly when x_1 = m. RISE: the early stop picks ℓ = 1 or 2
+# depending on x_1 (allowed: x_1 is verified either way).
+DIP = CostTable((1, 2, 3), (1.0, 0.6, 0.6))
+RISE = CostTable((1, 2, 3), (1.0, 0.9, 0.8))
+
+
+def appendix_a_confidences(x: torch.Tensor, m: int) -> torch.Tensor:
+    return torch.tensor([0.5] + [1.0 if int(x[k - 1]) == m else 0.01 for k in range(1, len(x))])
+
+
+def first_two_tokens(table: CostTable, early_stop: bool, n: int = 2000) -> dict[tuple[int, int], int]:
+    """Target p = (0.7, 0.3) at every position, q = (0.5, 0.5), m = token 0. One round, then the
+    second token from a plain target step when the round committed only one."""
+    p, q = torch.tensor([0.7, 0.3]), torch.tensor([0.5, 0.5])
+    g = torch.Generator().manual_seed(0)
+    counts = dict.fromkeys(itertools.product((0, 1), repeat=2), 0)
+    for _ in range(n):
+        x = torch.multinomial(q, 2, replacement=True, generator=g)
+        ell = hardware_lengths([appendix_a_confidences(x, 0)], table, early_stop=early_stop)[0]
+        v = verify_chain(p.expand(ell + 1, 2), x[:ell], q.expand(ell, 2), g)
+        y = v.tokens + [int(torch.multinomial(p, 1, generator=g))]
+        counts[(y[0], y[1])] += 1
+    return counts
+
+
+def test_appendix_a_global_search_is_biased_early_stop_is_exact():
+    law = {(a, b): (0.7, 0.3)[a] * (0.7, 0.3)[b] for a, b in itertools.product((0, 1), repeat=2)}
+    for table in (DIP, RISE):
+        counts = first_two_tokens(table, early_stop=True)
+        assert chisquare(list(counts.values()), [law[k] * 2000 for k in counts]).pvalue > 1e-3
+    biased = first_two_tokens(DIP, early_stop=False)
+    p0 = (biased[(0, 0)] + biased[(0, 1)]) / 2000
+    assert abs(p0 - 0.85) < 0.025  # the paper's (0.7, 0.3) -> (0.85, 0.15)
+
+
+class AppendixADrafter(Drafter):
+    """Drafts uniformly at random (q uniform over V); c_1 = 0.5, c_2 = 1 if x_1 == m else 0.01."""
+
+    def __init__(self, vocab: int, m: int) -> None:
+        self.vocab, self.m = vocab, m
+
+    def propose(self, tokens, gamma, params, generator):
+        if gamma == 0:
+            return Proposal.empty()
+        x = torch.randint(self.vocab, (gamma,), generator=generator)
+        return Proposal(x, torch.full((gamma, self.vocab), 1.0 / self.vocab), appendix_a_confidences(x, self.m))
+
+
+V_SMALL = 4
+
+
+def engine_joint_pvalue(target: Target, table: CostTable, n: int = 500) -> float:
+    """Chi-square of (y_1, y_2) from the engine (hardware scheduler on `table`) vs the target's law."""
+    prompt, params = [1, 3, 2], SamplingParams(temperature=1.0)
+    law = {}
+    with torch.no_grad():
+        p1 = probs_from_logits(target.model(torch.tensor([prompt])).logits[0, -1], params)
+        for y1 in range(V_SMALL):
+            p2 = probs_from_logits(target.model(torch.tensor([prompt + [y1]])).logits[0, -1], params)
+            for y2 in range(V_SMALL):
+                law[(y1, y2)] = float(p1[y1] * p2[y2])
+    engine = Engine(target, Scheduler("hardware", cost=table), max_concurrency=1)
+    cfg = GenerationConfig(max_new_tokens=4, gamma=2, stop_on_eos=False)
+    for s in range(n):
+        engine.add_request(prompt, AppendixADrafter(V_SMALL, m=0), SamplingParams(temperature=1.0, seed=s), cfg)
+    counts = dict.fromkeys(law, 0)
+    for res in engine.run().values():
+        counts[tuple(res.token_ids[:2])] += 1
+    return float(chisquare(list(counts.values()), [law[k] * n for k in counts]).pvalue)
+
+
+def test_appendix_a_through_the_engine(monkeypatch):
+    target = Target(tiny_llama(vocab=V_SMALL, hidden=16, layers=2, seed=1, peaked=1.0))
+    assert engine_joint_pvalue(target, RISE) > 1e-3  # ℓ = 1 or 2, chosen after seeing x_1: still exact
+    monkeypatch.setattr(sched_mod, "hardware_lengths", partial(hardware_lengths, early_stop=False))
+    assert engine_joint_pvalue(target, DIP) < 1e-5  # x_1 verified only when x_1 = m: biased (p ≈ 1e-8 here)
