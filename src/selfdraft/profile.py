@@ -1,0 +1,130 @@
+"""The hardware cost table SPS(B) (DESIGN section 8): target forwards per second when one forward
+carries B tokens, measured once per (target, dtype, machine) and stored beside the target cache as
+cache_root()/profiles/<fingerprint>-<dtype>.json; the hardware scheduler interpolates it.
+
+A forward of B tokens as one row over a KV of `kv_len` costs what the engine's padded forward of
+R rows × W tokens (R·W = B) over per-row KV `kv_len` costs: the same tokens through the linear
+layers and the same B·kv_len query-key pairs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from selfdraft.config import ConfigError
+from selfdraft.scheduler import CostTable
+from selfdraft.target import Target, cache_root
+
+
+@dataclass
+class Profile:
+    target: str
+    fingerprint: str
+    dtype: str
+    kv_len: int  # cached tokens each measured forward attends to
+    threads: int
+    machine: str
+    time: str
+    batch_tokens: list[int]  # B
+    seconds: list[float]  # median seconds per forward at each B
+
+    @property
+    def sps(self) -> list[float]:
+        return [1.0 / s for s in self.seconds]
+
+    def cost_table(self) -> CostTable:
+        return CostTable(tuple(self.batch_tokens), tuple(self.sps))
+
+    def table(self) -> str:
+        """Plain-text table: B, ms per forward, SPS(B), tokens/s = B·SPS(B), cost relative to B = 1."""
+        rows = [f"{'B':>5} {'ms/forward':>11} {'SPS(B)':>8} {'tokens/s':>9} {'x B=1':>6}"]
+        for b, s in zip(self.batch_tokens, self.seconds):
+            rows.append(f"{b:>5} {s * 1e3:>11.1f} {1 / s:>8.2f} {b / s:>9.1f} {s / self.seconds[0]:>6.2f}")
+        return "\n".join(rows)
+
+
+def geometric_batch_tokens(max_tokens: int) -> list[int]:
+    """1, 2, 3, 4, 6, 8, 12, 16, 24, ... up to max_tokens (always included)."""
+    powers = [2**i for i in range(max_tokens.bit_length())]
+    return sorted({b for p in powers for b in (p, p + p // 2) if b < max_tokens} | {max_tokens})
+
+
+def profile_path(target: Target, dtype: str) -> Path:
+    return cache_root() / "profiles" / f"{target.fingerprint()}-{dtype}.json"
+
+
+@torch.inference_mode()
+def measure_sps(target: Target, dtype: str, batch_tokens: list[int], kv_len: int = 256, repeats: int = 3) -> Profile:
+    """For each B: one warm-up, then `repeats` timed forwards of B random tokens after a real
+    prefill of kv_len tokens (the cache is rolled back after each); the median is kept."""
+    g = torch.Generator().manual_seed(0)
+    cache = target.new_cache()
+    target.forward(torch.randint(0, target.vocab_size, (1, kv_len), generator=g), cache, last_only=True)
+    seconds = []
+    for B in batch_tokens:
+        ids = torch.randint(0, target.vocab_size, (1, B), generator=g)
+        times = []
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            target.forward(ids, cache)
+            if i:
+                times.append(time.perf_counter() - t0)
+            target.rollback(cache, kv_len)
+        seconds.append(statistics.median(times))
+    return Profile(
+        target=target.name, fingerprint=target.fingerprint(), dtype=dtype, kv_len=kv_len,
+        threads=torch.get_num_threads(), machine=f"{platform.machine()} {platform.processor()} {os.cpu_count()} cpus",
+        time=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        batch_tokens=list(batch_tokens), seconds=seconds,
+    )  # fmt: skip
+
+
+def save_profile(profile: Profile, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(profile), indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def load_profile(target: Target, dtype: str) -> Profile:
+    path = profile_path(target, dtype)
+    if not path.exists():
+        raise ConfigError(f"no cost profile for this target in {dtype} ({path}): run `selfdraft profile --dtype {dtype}`")
+    return Profile(**json.loads(path.read_text()))
+
+
+def load_cost_table(target: Target, dtype: str) -> CostTable:
+    """SPS(B) for the hardware scheduler."""
+    return load_profile(target, dtype).cost_table()
+
+
+def plot_profile(profile: Profile, png: Path) -> None:
+    """SPS(B) and tokens/s = B·SPS(B) against B (log x)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(profile.batch_tokens, profile.sps, "o-", label="SPS(B) forwards/s")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("B = tokens in one target forward")
+    ax.set_ylabel("forwards / s")
+    ax2 = ax.twinx()
+    ax2.plot(profile.batch_tokens, [b * s for b, s in zip(profile.batch_tokens, profile.sps)], "s--", color="C1",
+             label="tokens/s")
+    ax2.set_ylabel("tokens / s")
+    ax.set_title(f"{Path(profile.target).name} {profile.dtype}, KV {profile.kv_len}, {profile.threads} threads")
+    fig.legend(loc="upper center", bbox_to_anchor=(0.5, 0.88))
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
