@@ -12,7 +12,8 @@ from selfdraft.config import GenerationConfig, SamplingParams
 from selfdraft.drafters.base import Drafter, Proposal
 from selfdraft.sampling import probs_from_logits, sample
 from selfdraft.target import Target, TargetError, TargetStep
-from selfdraft.verify import Verification, verify_chain, verify_greedy
+from selfdraft.tree import commit_path, tree_inputs
+from selfdraft.verify import Verification, verify_chain, verify_greedy, verify_tree
 
 
 @dataclass
@@ -56,7 +57,9 @@ class GenerationResult:
 
 
 def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, generator) -> Verification:
-    """logits: [γ'+1, V] target logits at [anchor, drafts]. Dispatches greedy vs rejection sampling."""
+    """logits: [γ'+1, V] target logits at [anchor, drafts]. Dispatches tree vs greedy vs rejection sampling."""
+    if proposal.parents is not None:  # a draft tree: the sibling rule (greedy = one-hot p)
+        return verify_tree(probs_from_logits(logits, params), proposal.tokens, proposal.parents, generator)
     if params.greedy:
         return verify_greedy(logits, proposal.tokens)
     return verify_chain(probs_from_logits(logits, params), proposal.tokens, proposal.q, generator)
@@ -102,7 +105,12 @@ def generate(
         t1 = time.perf_counter()
         # 3. One target forward over [anchor, d_1..d_γ'] -> logits [γ'+1, V].
         block = torch.cat([torch.tensor([out[-1]]), proposal.tokens])[None]
-        step = target.forward(block, cache, layers)
+        past = P + len(out) - 1
+        if proposal.parents is None:
+            step = target.forward(block, cache, layers)
+        else:  # a draft tree: each node sees its ancestors, positions = depth (tree.py)
+            tree = tree_inputs(proposal.parents, past, target.model.dtype)
+            step = target.forward(block, cache, layers, tree.position_ids, tree.attention_mask)
         # 4. Verify: accepted drafts + one target token.
         v = verify(step.logits[0], proposal, params, gen)
         # 5. Commit (stop at EOS) and 6. roll the cache back to the committed length.
@@ -111,6 +119,8 @@ def generate(
             eos_at = next((i for i, t in enumerate(new) if t in target.eos_ids), None)
             new = new if eos_at is None else new[: eos_at + 1]
         out.extend(new)
+        if proposal.parents is not None:  # only the accepted path's rows stay (KV cache and states)
+            step = commit_path(target, cache, step, past, v.path)
         target.rollback(cache, P + len(out) - 1)
         # 7. The drafter sees the target's states at the newly committed positions.
         drafter.observe(v, _slice_step(step, v.num_accepted + 1))

@@ -105,6 +105,20 @@ class Target:
         if extra > 0:
             cache.crop(-extra)
 
+    @classmethod
+    @torch.inference_mode()
+    def keep_rows(cls, cache: DynamicCache, start: int, rows: torch.Tensor) -> None:
+        """Keep cached positions start + rows (rows ascending) as start, start+1, ..; drop the rest
+        after start. Tree verification keeps the accepted path of a verified block this way."""
+        n = rows.numel()
+        for layer in cache.layers:  # DynamicLayer.keys / .values: [B, n_kv, S, d]
+            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+                continue
+            idx = (start + rows).to(layer.keys.device)
+            layer.keys[..., start : start + n, :] = layer.keys[..., idx, :]
+            layer.values[..., start : start + n, :] = layer.values[..., idx, :]
+        cls.rollback(cache, start + n)
+
     @torch.inference_mode()
     def forward(
         self,

@@ -8,7 +8,7 @@ Shapes: γ = number of draft tokens, V = vocab.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -56,3 +56,40 @@ def verify_chain(
             return Verification(k, t, drafts[:k].tolist() + [t])
     t = int(sample(p[gamma], generator))
     return Verification(gamma, t, drafts.tolist() + [t])
+
+
+@dataclass
+class TreeVerification(Verification):
+    path: list[int] = field(default_factory=list)  # accepted node indices, root to leaf (len num_accepted)
+
+
+def verify_tree(
+    p: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, generator: torch.Generator | None = None
+) -> TreeVerification:
+    """Deterministic draft tree (q one-hot per child): the SpecInfer / EAGLE sibling rule (DESIGN 2).
+
+    p: [N+1, V] target probabilities at block rows [anchor, nodes]; tokens, parents: [N] (tree.py).
+    From the anchor: try the children of the current node in order; accept child x with probability
+    p(x) (p renormalised); on rejection set p(x) = 0, renormalise and try the next sibling. An
+    accepted child becomes the current node; when all children fail (or there are none) sample the
+    round's last token from what remains of p. With one-hot (greedy) p this walks the argmax path.
+    """
+    from selfdraft.tree import children
+
+    kids = children(parents)
+    row, path = 0, []
+    while True:
+        rest = p[row].clone()
+        for child in kids[row]:
+            total = float(rest.sum())
+            ratio = float(rest[int(tokens[child])]) / total if total > 0 else 0.0
+            if ratio >= 1.0 or (ratio > 0.0 and float(torch.rand((), generator=generator)) < ratio):
+                path.append(child)
+                row = child + 1
+                break
+            rest[int(tokens[child])] = 0.0
+        else:
+            rest = rest if float(rest.sum()) > 0 else p[row]  # all mass rejected: probability 0 event
+            t = int(sample(rest / rest.sum(), generator))
+            accepted = [int(tokens[i]) for i in path]
+            return TreeVerification(len(path), t, accepted + [t], path)

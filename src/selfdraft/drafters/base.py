@@ -26,13 +26,21 @@ class Proposal:
     tokens: torch.Tensor  # [γ'] int64
     q: torch.Tensor | None = None  # [γ', V] probabilities the drafts were sampled from; None = deterministic (one-hot)
     confidences: torch.Tensor | None = None  # [γ'] c_k ≈ P(draft k accepted | 1..k-1 accepted)
+    # A draft tree (EAGLE-2): parent index of each node (-1 = the anchor), parents[i] < i. Tree
+    # drafts are deterministic (q is None): verification uses the sibling rule (DESIGN 2, tree.py).
+    parents: torch.Tensor | None = None  # [γ'] int64, None = a chain
 
     @classmethod
     def empty(cls) -> "Proposal":
         return cls(tokens=torch.zeros(0, dtype=torch.long))
 
     def truncate(self, n: int) -> "Proposal":
-        """Keep the first n drafts (a scheduler verifies only a prefix)."""
+        """Keep the first n drafts (a scheduler verifies only a prefix); a tree keeps depth <= n."""
+        if self.parents is not None:
+            from selfdraft.tree import prune_depth
+
+            keep, parents = prune_depth(self.parents, n)
+            return Proposal(self.tokens[keep], parents=parents)
         cut = lambda t: None if t is None else t[:n]  # noqa: E731
         return Proposal(self.tokens[:n], cut(self.q), cut(self.confidences))
 

@@ -1,0 +1,105 @@
+"""Draft trees (SpecInfer / EAGLE-2): parent pointers -> tree attention mask, depth positions, paths.
+
+A tree of N draft nodes hangs under the anchor (the last committed token, the root). Nodes come in
+topological order with parent pointers, parents[i] < i, and -1 for a child of the anchor. The
+target verifies the block [anchor, node_0, .., node_{N-1}] in ONE forward: block row 0 is the
+anchor and row i + 1 is node i. Every row attends to the whole committed prefix (the KV cache) and,
+inside the block, to itself and its ancestors; its position is past + depth (anchor depth 0), so a
+root-to-leaf path sees exactly what a chain forward of that path would see (DESIGN section 5).
+
+After verification only the accepted path's rows stay in the KV cache (`commit_path`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from selfdraft.target import Target, TargetStep
+
+
+def check_parents(parents: torch.Tensor) -> None:
+    """parents: [N] int64 with -1 <= parents[i] < i (topological order); raises ValueError otherwise."""
+    idx = torch.arange(parents.numel())
+    if parents.dim() != 1 or bool(((parents < -1) | (parents >= idx)).any()):
+        raise ValueError(f"parents must be a 1D tensor with -1 <= parents[i] < i, got {parents.tolist()}")
+
+
+def depths(parents: torch.Tensor) -> torch.Tensor:
+    """[N] parents -> [N] depth of each node (a child of the anchor has depth 1)."""
+    d = torch.zeros(parents.numel(), dtype=torch.long)
+    for i, p in enumerate(parents.tolist()):
+        d[i] = 1 if p < 0 else d[p] + 1
+    return d
+
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """[N] parents -> [N+1, N+1] bool over block rows [anchor, nodes]: row r may attend to column c
+    iff c is r itself or one of r's ancestors (the anchor is everyone's ancestor)."""
+    n = parents.numel()
+    m = torch.eye(n + 1, dtype=torch.bool)
+    m[:, 0] = True
+    for i, p in enumerate(parents.tolist()):  # topological order: the parent's row is final
+        m[i + 1] |= m[p + 1]
+    return m
+
+
+def children(parents: torch.Tensor) -> list[list[int]]:
+    """Children (node indices, in order) of every block row: entry 0 = the anchor's, entry i + 1 = node i's."""
+    kids: list[list[int]] = [[] for _ in range(parents.numel() + 1)]
+    for i, p in enumerate(parents.tolist()):
+        kids[p + 1].append(i)
+    return kids
+
+
+def root_to_leaf_paths(parents: torch.Tensor) -> list[list[int]]:
+    """Every root-to-leaf path as node indices, leaves in index order."""
+    kids = children(parents)
+    paths = []
+    for leaf in (i for i in range(parents.numel()) if not kids[i + 1]):
+        path, node = [], leaf
+        while node >= 0:
+            path.append(node)
+            node = int(parents[node])
+        paths.append(path[::-1])
+    return paths
+
+
+def prune_depth(parents: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep the nodes of depth <= max_depth -> (kept node indices [M], re-indexed parents [M])."""
+    keep = (depths(parents) <= max_depth).nonzero().flatten()
+    new_index = torch.full((parents.numel(),), -1, dtype=torch.long)
+    new_index[keep] = torch.arange(keep.numel())
+    old_parents = parents[keep]
+    return keep, torch.where(old_parents < 0, old_parents, new_index[old_parents.clamp_min(0)])
+
+
+@dataclass
+class TreeInputs:
+    """What the target forward over [anchor, nodes] needs on top of the token ids."""
+
+    position_ids: torch.Tensor  # [1, N+1] past + depth
+    attention_mask: torch.Tensor  # [1, 1, N+1, past+N+1] additive float (0 = visible, dtype min = hidden)
+
+
+def tree_inputs(parents: torch.Tensor, past: int, dtype: torch.dtype) -> TreeInputs:
+    """Positions and the 4D additive mask (prefix fully visible, the tree block by ancestry).
+
+    A float additive mask works with every HF attention backend (eager adds it, SDPA takes it as is)."""
+    check_parents(parents)
+    n = parents.numel()
+    visible = torch.cat([torch.ones(n + 1, past, dtype=torch.bool), ancestor_mask(parents)], dim=1)
+    bias = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)
+    pos = past + torch.cat([torch.zeros(1, dtype=torch.long), depths(parents)])
+    return TreeInputs(position_ids=pos[None], attention_mask=bias[None, None])
+
+
+def commit_path(target: Target, cache, step: TargetStep, past: int, path: list[int]) -> TargetStep:
+    """After verifying a tree: keep only the block rows [anchor, *path] in the KV cache (moved to
+    positions past, past+1, ..) and in the target states, so the cache equals a chain forward of
+    the committed tokens. step: the tree forward's TargetStep [1, N+1, ...] -> [1, len(path)+1, ...]."""
+    rows = torch.tensor([0] + [i + 1 for i in path], dtype=torch.long)
+    target.keep_rows(cache, past, rows)
+    pick = lambda t: None if t is None else t[:, rows.to(t.device)]  # noqa: E731
+    return TargetStep(logits=pick(step.logits), features=pick(step.features), last_hidden=pick(step.last_hidden))
