@@ -209,7 +209,8 @@ def data_regenerate(
         chosen, stats = _select_prompts(tgt, sources, num_turns, val_fraction, max_prompt_tokens, limit)
         print(f"prompts: {json.dumps(stats.as_dict())}", file=sys.stderr)
         provenance = {"command": shlex.join(["selfdraft", *sys.argv[1:]]), "sources": list(sources),
-                      "prompt_stats": stats.as_dict(), "dtype": dtype, "threads": threads}
+                      "limit": limit, "val_fraction": val_fraction, "prompt_stats": stats.as_dict(),
+                      "dtype": dtype, "threads": threads}
         summary = regenerate(tgt, chosen, out, cfg, provenance=provenance)
     except (ConfigError, TargetError, DataError, OSError) as e:
         _fail(str(e))
@@ -264,7 +265,9 @@ def data_vocab(
     from selfdraft.training.data import DataError, build_draft_vocab
 
     try:
-        vocab_size = Target.load(target).vocab_size
+        manifest = data / "manifest.json"
+        vocab_size = (json.loads(manifest.read_text())["target"]["vocab_size"] if manifest.exists() and target is None
+                      else Target.load(target).vocab_size)
         vocab = build_draft_vocab(data, size, vocab_size)
     except (ConfigError, TargetError, DataError, OSError) as e:
         _fail(str(e))

@@ -80,8 +80,12 @@ def prompt_id(turns: list[str]) -> str:
 
 
 def split_of(pid: str, val_fraction: float) -> str:
-    """Deterministic train/val assignment from the prompt's hash (stable across runs and sources)."""
-    return "val" if int(pid[:8], 16) / 0x100000000 < val_fraction else "train"
+    """Deterministic train/val assignment from the prompt's hash (stable across runs and sources).
+
+    Uses the hash's second half: prompts are sampled in id order (the first half), and a split
+    drawn from the same digits would put the whole of a small sample into one split.
+    """
+    return "val" if int(pid[8:16], 16) / 0x100000000 < val_fraction else "train"
 
 
 def check_not_eval(path: Path) -> None:

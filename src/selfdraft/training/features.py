@@ -81,6 +81,7 @@ def write_feature_cache(
     done = {r["id"] for s in shards for r in s["records"]}
     records = [r for r in iter_records(data_dir, split) if r["id"] not in done]
     buffer: list[dict] = []
+    buffered = 0  # tokens in buffer
     bar = tqdm(total=sum(min(len(r["input_ids"]), spec.max_seq_len) for r in records), unit="tok",
                disable=not progress, file=sys.stderr, dynamic_ncols=True)
     for rec in records:
@@ -90,9 +91,10 @@ def write_feature_cache(
                        "loss_mask": torch.tensor(rec["loss_mask"][: spec.max_seq_len], dtype=torch.uint8),
                        "features": feats.to(torch.bfloat16), "last_hidden": last.to(torch.bfloat16)})
         bar.update(len(ids))
-        if sum(len(b["input_ids"]) for b in buffer) >= spec.shard_tokens:
+        buffered += len(ids)
+        if buffered >= spec.shard_tokens:
             shards.append(_write_shard(out_dir, len(shards), buffer, header))
-            buffer = []
+            buffer, buffered = [], 0
     if buffer:
         shards.append(_write_shard(out_dir, len(shards), buffer, header))
     bar.close()
