@@ -67,7 +67,7 @@ class GenerationConfig:
 
 @dataclass
 class DrafterConfig:
-    """Hyperparameters of a trained drafter (DFlash / DSpark; EAGLE-3 and MTP reuse the common ones).
+    """Hyperparameters of a trained drafter (DFlash / DSpark / EAGLE-3 / MTP; each reads its own fields).
 
     Stored verbatim in the checkpoint's config.json, so a drafter rebuilds from its directory.
     """
@@ -86,6 +86,16 @@ class DrafterConfig:
     w_ce: float = 0.1
     w_tv: float = 0.9
     w_conf: float = 1.0
+    # EAGLE-3 (DESIGN 5)
+    draft_vocab_size: int = 8192  # own LM head over the most frequent training tokens; 0 or >= target vocab = all
+    ttt_decay: float = 0.8  # training-time test: step j (0-based) weighs ttt_decay^j
+    tree_depth: int = 0  # EAGLE-2 dynamic draft tree of this depth at inference; 0 = chain of γ drafts
+    tree_top_k: int = 10  # children expanded per frontier node, and frontier nodes kept per depth
+    tree_total_tokens: int = 60  # tree nodes verified per round, anchor included
+    # MTP (DESIGN 4)
+    mtp_modules: int = 1  # D stacked DeepSeek-V3 modules
+    mtp_recursive: bool = True  # also draft depths D+1..γ by reusing the last module (False: D drafts)
+    mtp_decay: float = 0.6  # depth d weighs mtp_decay^(d-1) (normalised)
 
     def __post_init__(self) -> None:
         self.feature_layers = tuple(self.feature_layers)
@@ -95,6 +105,13 @@ class DrafterConfig:
             raise ConfigError(f"markov_head must be vanilla, gated or rnn, got {self.markov_head!r}")
         if self.markov_rank < 0 or self.loss_decay <= 0 or self.anchors_per_seq < 1:
             raise ConfigError("markov_rank >= 0, loss_decay > 0 and anchors_per_seq >= 1 are required")
+        if self.draft_vocab_size < 0 or not (self.ttt_decay > 0 and self.mtp_decay > 0):
+            raise ConfigError("draft_vocab_size >= 0 (0 = full vocab), ttt_decay > 0 and mtp_decay > 0 are required")
+        if self.tree_depth < 0 or self.tree_top_k < 1 or self.tree_total_tokens < 2 or self.mtp_modules < 1:
+            raise ConfigError(
+                f"tree_depth >= 0 (0 = chain), tree_top_k >= 1, tree_total_tokens >= 2 and mtp_modules >= 1 are "
+                f"required (got {self.tree_depth}, {self.tree_top_k}, {self.tree_total_tokens}, {self.mtp_modules})"
+            )
 
 
 @dataclass

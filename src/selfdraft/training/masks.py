@@ -65,3 +65,20 @@ def block_attention_mask(anchor_pos: torch.Tensor, context_len: int, block_len: 
     block_id = torch.arange(A, device=dev).repeat_interleave(block_len)  # [A·L]
     to_block = (block_id[:, None] == block_id[None, :]).expand(B, -1, -1)  # [B, A·L, A·L]
     return torch.cat([to_ctx, to_block], dim=2)
+
+
+def ttt_attention_mask(slots: int, steps: int) -> torch.Tensor:
+    """EAGLE-3 training-time test mask [γ·S, γ·S] bool (True = may attend), γ = steps, S = slots.
+
+    Row j·S + t is slot t at unrolled step j (it drafts token t + j + 2 at position t + j); column
+    i·S + s is slot s's key at step i. Step 0 is causal over the real target features (s <= t);
+    step j >= 1 adds only its own slot's keys of steps 1..j, exactly the draft chain inference
+    builds on top of the committed context (DESIGN 5). Step j's queries use the first (j+1)·S keys.
+    """
+    t = torch.arange(slots)
+    causal = t[None, :] <= t[:, None]  # [S, S]
+    own = torch.eye(slots, dtype=torch.bool)
+    blocks = [
+        [causal if i == 0 else own if i <= j else torch.zeros_like(own) for i in range(steps)] for j in range(steps)
+    ]
+    return torch.cat([torch.cat(row, dim=1) for row in blocks], dim=0)
