@@ -70,3 +70,12 @@ def test_calibrate_checkpoint_end_to_end(tmp_path):
     # the reloaded drafter's confidences are σ(z_k / T_k)
     drafter = load_checkpoint(ckpt, target)
     assert torch.allclose(drafter.model.conf_temperature, torch.tensor(temps))
+
+
+def test_calibrate_cli_needs_one_prompt_source(tmp_path):
+    from typer.testing import CliRunner
+
+    from selfdraft.cli import app
+
+    res = CliRunner().invoke(app, ["calibrate", "--drafter", str(tmp_path)])
+    assert res.exit_code == 2 and "exactly one of --data" in res.output

@@ -190,3 +190,21 @@ def test_appendix_a_through_the_engine(monkeypatch):
     assert engine_joint_pvalue(target, RISE) > 1e-3  # ℓ = 1 or 2, chosen after seeing x_1: still exact
     monkeypatch.setattr(sched_mod, "hardware_lengths", partial(hardware_lengths, early_stop=False))
     assert engine_joint_pvalue(target, DIP) < 1e-5  # x_1 verified only when x_1 = m: biased (p ≈ 1e-8 here)
+
+
+def test_profile_cli_stores_table_the_hardware_scheduler_loads(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from selfdraft.cli import app
+    from selfdraft.profile import load_cost_table, profile_path
+
+    monkeypatch.setenv("SELFDRAFT_CACHE", str(tmp_path / "cache"))
+    tiny_llama(vocab=32, hidden=16, layers=2).save_pretrained(tmp_path / "t")
+    res = CliRunner().invoke(app, ["profile", "--target", str(tmp_path / "t"), "--dtype", "float32",
+                                   "--max-tokens", "6", "--kv-len", "8", "--repeats", "1"])
+    assert res.exit_code == 0, res.output
+    target = Target.load(str(tmp_path / "t"), dtype="float32")
+    table = load_cost_table(target, "float32")
+    assert table.batch_tokens == (1, 2, 3, 4, 6) and all(s > 0 for s in table.sps)
+    assert profile_path(target, "float32").with_suffix(".png").stat().st_size > 1000
+    assert "SPS(B)" in res.output

@@ -419,5 +419,112 @@ def bench_cmd(
         print(f"wall {results.wall_s:.0f}s -> {out}/ ({', '.join(p.name for p in paths.values())})", file=sys.stderr)
 
 
+# ---------------------------------------------------------------- profile (SPS(B) cost table) and engine throughput
+@app.command("profile")
+def profile_cmd(
+    target: Optional[str] = TargetOpt,
+    dtype: str = DtypeOpt,
+    max_tokens: int = typer.Option(128, "--max-tokens", help="largest B measured (the engine sees up to R_max·(γ+1))"),
+    kv_len: int = typer.Option(256, "--kv-len", help="cached tokens each measured forward attends to"),
+    repeats: int = typer.Option(3, "--repeats", help="timed forwards per B (median kept)"),
+    measure: bool = typer.Option(True, "--measure/--no-measure", help="--no-measure: reuse the stored profile"),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: torch's)"),
+    engine: Optional[str] = typer.Option(None, "--engine", help="also measure engine throughput with this drafter (name or DIR)"),
+    concurrency: str = typer.Option("1,4,16", "--concurrency", help="engine: comma list of concurrent requests"),
+    schedulers: str = typer.Option("fixed,threshold,hardware", "--schedulers", help="engine: comma list"),
+    threshold: float = typer.Option(0.5, "--threshold", help="engine: a_j threshold of the threshold scheduler"),
+    prompts: str = typer.Option("mt-bench", "--prompts", help="engine: bundled prompt set name or JSONL path"),
+    num_prompts: int = typer.Option(16, "--num-prompts", help="engine: requests per run"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="engine: tokens per request"),
+    gamma: int = typer.Option(7, "--gamma", help="engine: draft tokens per round (γ)"),
+    temperature: float = typer.Option(0.0, "--temperature", "-t", help="engine: 0 = greedy"),
+) -> None:
+    """Measure SPS(B) (target forwards/s with B tokens per forward), store it beside the target cache,
+    print it and plot it; with --engine, also serve prompts at each concurrency with each scheduler."""
+    import torch
+
+    from selfdraft.bench import load_prompt_set
+    from selfdraft.engine import drafter_factory, engine_throughput
+    from selfdraft.profile import geometric_batch_tokens, load_profile, measure_sps, plot_profile, profile_path, save_profile
+    from selfdraft.scheduler import Scheduler
+    from selfdraft.target import Target, TargetError
+
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        tgt = Target.load(target, dtype=dtype)
+        path = profile_path(tgt, dtype)
+        if measure:
+            prof = measure_sps(tgt, dtype, geometric_batch_tokens(max_tokens), kv_len, repeats)
+            save_profile(prof, path)
+            plot_profile(prof, path.with_suffix(".png"))
+        else:
+            prof = load_profile(tgt, dtype)
+        print(prof.table())
+        print(f"-> {path} (+ .png)", file=sys.stderr)
+        if engine is None:
+            return
+        ids = load_prompt_set(prompts, num_prompts).encode(tgt)
+        make = drafter_factory(engine, tgt)
+        cfg = GenerationConfig(max_new_tokens=max_new_tokens, gamma=gamma)
+        params = SamplingParams(temperature=temperature, seed=0 if temperature > 0 else None)
+        print(f"\n{'scheduler':>10} {'R':>3} {'tok/s':>7} {'req tok/s':>9} {'tau':>5}")
+        for kind in [k.strip() for k in schedulers.split(",") if k.strip()]:
+            sched = Scheduler(kind, threshold=threshold, cost=prof.cost_table())
+            for R in _int_list(concurrency, "--concurrency"):
+                r = engine_throughput(tgt, make, ids, R, sched, params, cfg)
+                print(f"{kind:>10} {R:>3} {r.tokens_per_s:>7.1f} {r.mean_request_tokens_per_s:>9.2f} {r.tau:>5.2f}", flush=True)
+    except (ConfigError, TargetError, OSError) as e:
+        _fail(str(e))
+
+
+# ---------------------------------------------------------------- calibrate (Sequential Temperature Scaling)
+@app.command("calibrate")
+def calibrate_cmd(
+    drafter: Path = typer.Option(..., "--drafter", "-d", help="DSpark checkpoint dir (updated in place, atomically)"),
+    target: Optional[str] = TargetOpt,
+    data: Optional[Path] = typer.Option(None, "--data", help="regenerated dataset dir: prompts of its --split"),
+    split: str = typer.Option("val", "--split", help="dataset split used with --data"),
+    prompts: Optional[str] = typer.Option(None, "--prompts", help="or: a JSONL of {\"turns\": [...]} lines"),
+    num_prompts: int = typer.Option(64, "--num-prompts", help="first N prompts"),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="tokens decoded per prompt"),
+    temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy acceptance; > 0 = chain rule"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k", help="0 = off"),
+    seed: int = typer.Option(0, "--seed"),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: torch's)"),
+    dtype: str = DtypeOpt,
+) -> None:
+    """Fit T_k (Sequential Temperature Scaling) on held-out rounds; store them in the checkpoint with
+    calibration.json and a reliability diagram per position (ECE and ROC-AUC before/after)."""
+    import torch
+
+    from selfdraft.bench import load_prompt_set
+    from selfdraft.target import Target, TargetError
+    from selfdraft.training.calibrate import calibrate_checkpoint
+    from selfdraft.training.data import DataError, iter_records
+
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        if (data is None) == (prompts is None):
+            raise ConfigError("give exactly one of --data DIR (held-out split) or --prompts FILE.jsonl")
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+        tgt = Target.load(target, dtype=dtype)
+        if data is not None:
+            recs = (r for r in iter_records(data, split) if 1 in r["loss_mask"])
+            ids = [r["input_ids"][: r["loss_mask"].index(1)] for r, _ in zip(recs, range(num_prompts))]
+        else:
+            ids = load_prompt_set(prompts, num_prompts).encode(tgt)
+        reports = calibrate_checkpoint(drafter, tgt, ids, params, max_new_tokens, seed)
+    except (ConfigError, TargetError, DataError, OSError) as e:
+        _fail(str(e))
+    print(f"{'k':>2} {'T_k':>6} {'reached':>7} {'accept':>6} {'ECE before':>10} {'ECE after':>9} {'AUC before':>10} {'AUC after':>9}")
+    for r in reports:
+        print(f"{r.k:>2} {r.temperature:>6.3f} {r.reached:>7.3f} {r.acceptance:>6.3f} {r.ece_before:>10.4f} "
+              f"{r.ece_after:>9.4f} {r.auc_before:>10.4f} {r.auc_after:>9.4f}")
+    print(f"-> {drafter}/calibration.json, {drafter}/calibration/reliability_k*.png", file=sys.stderr)
+
+
 if __name__ == "__main__":
     app()

@@ -182,7 +182,10 @@ class Engine:
         proposals = []
         for q in reqs:
             budget = min(q.config.gamma, q.config.max_new_tokens - len(q.out) - 1)
-            proposals.append(q.drafter.propose(q.prompt + q.out, budget, q.params, q.generator).truncate(budget))
+            proposal = q.drafter.propose(q.prompt + q.out, budget, q.params, q.generator)
+            if getattr(proposal, "parents", None) is not None:
+                raise TargetError(f"{q.drafter.name} drafts a tree; the batched engine verifies chains (use decode.generate)")
+            proposals.append(proposal.truncate(budget))
         # 2. The scheduler picks ℓ_r from the confidences (and SPS).
         ells = self.scheduler.lengths(proposals)
         proposals = [p.truncate(n) for p, n in zip(proposals, ells)]
