@@ -189,6 +189,20 @@ def test_truncated_last_answer_gets_no_end_token(tokenizer):
     assert [tokenizer.decode(s) for s in masked_spans(conv.input_ids, conv.loss_mask)] == ["1 2 3 4"]
 
 
+@needs_tokenizer
+def test_sampled_answer_ids_are_kept_verbatim(tokenizer):
+    """The target may sample a non-canonical tokenization; the record keeps exactly its ids."""
+    spelled = [tokenizer.convert_tokens_to_ids(c) for c in "hello"]  # canonical would be one token
+    msgs = [{"role": "user", "content": "Greet."}, {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "Again."}]
+    conv = tokenize_conversation(tokenizer, msgs, answer_ids={1: spelled}, generation_prompt=True)
+    prompt = tokenizer(tokenizer.apply_chat_template(msgs[:1], add_generation_prompt=True, tokenize=False),
+                       add_special_tokens=False)["input_ids"]
+    assert conv.input_ids[: len(prompt) + 6] == prompt + spelled + [tokenizer.eos_token_id]
+    assert masked_spans(conv.input_ids, conv.loss_mask) == [spelled + [tokenizer.eos_token_id]]
+    assert tokenizer.decode(conv.input_ids).endswith("<|im_start|>user\nAgain.<|im_end|>\n<|im_start|>assistant\n")
+
+
 # ---------------------------------------------------------------- regeneration
 
 
@@ -256,6 +270,8 @@ def test_regenerated_records_follow_the_contract(tmp_path, chat_target, tokenize
         assert rec["loss_mask"][-3:] == [1, 1, 1]
         templ = tokenizer.apply_chat_template(rec["messages"][:1], add_generation_prompt=True, tokenize=False)
         assert tokenizer.decode(rec["input_ids"]).startswith(templ)
+    totals = json.loads((tmp_path / "d" / "manifest.json").read_text())["totals"]
+    assert sum(t["cut_answers"] for t in totals.values()) == sum(t["records"] for t in totals.values()) == 3
 
 
 @needs_tokenizer
