@@ -75,6 +75,7 @@ def test_metrics_match_direct_computation():
     assert spec.draft_share == pytest.approx((12 * 0.01) / (2 * 0.4 + 2 * 0.6))  # 12 rounds, 2.0 s
     assert spec.verify_share == pytest.approx(2 * spec.draft_share)
     assert spec.greedy_match == 0.5 and none.greedy_match is None
+    assert spec.greedy_prefix == pytest.approx((1.0 + 9 / 10) / 2)  # prompt 1 differs at its 10th token
 
 
 def test_sampled_runs_have_no_greedy_match():
@@ -157,7 +158,7 @@ def test_run_bench_runs_everyone_on_every_prompt(tiny_results):
         assert c.tokens_per_s > 0 and len(c.tokens_per_s_passes) == 2
         assert c.speedup_vs_hf is not None and c.speedup_vs_none is not None
         # float32 tiny target: every runner, HF's included, reproduces plain greedy decoding.
-        assert c.label == "none" or c.greedy_match == 1.0
+        assert c.label == "none" or c.greedy_match == c.greedy_prefix == 1.0
     ngram = r.cell("ngram", "rep")
     assert 1.0 <= ngram.tau <= 5 and len(ngram.acceptance) == 4
     assert r.cell("hf-generate", "rep").tau is None
@@ -176,7 +177,7 @@ def test_report_files(tiny_results, tmp_path):
     assert {"cpu", "cores", "torch", "transformers", "dtype"} <= set(data["machine"])
     assert len(data["metrics"]) == 4 * 2 and "token_ids" not in data["samples"][0]
     md = paths["markdown"].read_text()
-    assert "| dataset | runner | τ | tok/s | × none | × HF gen | acc@1 |" in md
+    assert "| dataset | runner | τ | tok/s | × none | × HF gen | acc@1 |" in md and "| = none | prefix = none |" in md
     assert "| rep | ngram |" in md and markdown_table(tiny_results) in md
     for key in ("tau", "acceptance", "speedup"):
         blob = paths[key].read_bytes()

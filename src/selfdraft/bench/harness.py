@@ -161,6 +161,7 @@ class CellMetrics:
     speedup_vs_none: float | None = None  # tokens/s ratio to our `none`, same run
     speedup_vs_hf: float | None = None  # tokens/s ratio to HF generate(), same run
     greedy_match: float | None = None  # greedy only: share of generations with tokens == `none`'s
+    greedy_prefix: float | None = None  # greedy only: mean share of `none`'s tokens reproduced before a first difference
 
 
 def compute_metrics(samples: list[Sample], gamma: int, greedy: bool) -> list[CellMetrics]:
@@ -187,7 +188,9 @@ def compute_metrics(samples: list[Sample], gamma: int, greedy: bool) -> list[Cel
         if greedy and label != BASELINE and reference:
             pairs = [(s.token_ids, reference.get((s.dataset, s.prompt, s.repeat))) for s in group]
             pairs = [(a, b) for a, b in pairs if b is not None]
-            cell.greedy_match = sum(a == b for a, b in pairs) / len(pairs) if pairs else None
+            if pairs:
+                cell.greedy_match = sum(a == b for a, b in pairs) / len(pairs)
+                cell.greedy_prefix = sum(_common_prefix(a, b) / max(1, len(b)) for a, b in pairs) / len(pairs)
         cells.append(cell)
     speed = {(c.label, c.dataset): c.tokens_per_s for c in cells}
     for c in cells:
@@ -207,6 +210,10 @@ def _fill_round_metrics(cell: CellMetrics, group: list[Sample], gamma: int, pass
     wall = sum(s.elapsed_s for s in group)
     cell.draft_share = sum(s.draft_s for s in group) / wall if wall else None
     cell.verify_share = sum(s.verify_s for s in group) / wall if wall else None
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _ratio(a: float, b: float | None) -> float | None:

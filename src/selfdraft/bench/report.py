@@ -40,7 +40,7 @@ def markdown_table(results: BenchResults) -> str:
     """One row per runner × dataset: τ, tokens/s, speedups, acc@1..γ, rounds, time shares, greedy match."""
     g = results.config.gamma
     head = (["dataset", "runner", "τ", "tok/s", "× none", "× HF gen"] + [f"acc@{k}" for k in range(1, g + 1)]
-            + ["rounds", "draft %", "verify %"] + (["= none"] if results.config.greedy else []))
+            + ["rounds", "draft %", "verify %"] + (["= none", "prefix = none"] if results.config.greedy else []))
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for ds in results.dataset_names:
         for label in results.labels:
@@ -52,7 +52,7 @@ def markdown_table(results: BenchResults) -> str:
                    _num(c.speedup_vs_hf)] + [_num(a) for a in acc]
             row += [_num(c.rounds, "{:.0f}"), _num(_pct(c.draft_share), "{:.0f}"), _num(_pct(c.verify_share), "{:.0f}")]
             if results.config.greedy:
-                row.append(_num(_pct(c.greedy_match), "{:.0f}%"))
+                row += [_num(_pct(c.greedy_match), "{:.0f}%"), _num(_pct(c.greedy_prefix), "{:.0f}%")]
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
@@ -81,7 +81,9 @@ def markdown_report(results: BenchResults) -> str:
         f"τ = mean accepted length per round incl. the bonus token (ceiling γ + 1 = {cfg.gamma + 1}); "
         "acc@k = P(draft k accepted | drafts 1..k−1 accepted), pooled over rounds; speedups are tokens/s "
         f"ratios to `{BASELINE}` (our plain decoding) and to `{HF_GENERATE}` measured in this run"
-        + ("; `= none`: share of generations whose tokens equal `none`'s (bf16 can flip near-ties)."
+        + ("; `= none`: share of generations whose tokens equal `none`'s, `prefix = none`: mean share of "
+           "`none`'s tokens reproduced before the first difference (bf16 verification of a block can flip "
+           "near-ties that single-token decoding resolves the other way; float32 matches exactly)."
            if cfg.greedy else "."),
         "",
         markdown_table(results),
@@ -102,6 +104,11 @@ def _pyplot():
     return plt
 
 
+def _color(results: BenchResults, label: str) -> str:
+    """One color per runner across all plots."""
+    return f"C{results.labels.index(label) % 10}"
+
+
 def _grouped_bars(ax, results: BenchResults, labels: list[str], value) -> None:
     """Bars of value(cell) for each label, grouped by dataset, with the value printed on top."""
     names = results.dataset_names
@@ -114,7 +121,7 @@ def _grouped_bars(ax, results: BenchResults, labels: list[str], value) -> None:
             if y is not None:
                 xs.append(i - 0.4 + width * (j + 0.5))
                 ys.append(y)
-        bars = ax.bar(xs, ys, width, label=label)
+        bars = ax.bar(xs, ys, width, label=label, color=_color(results, label))
         ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=1)
     ax.set_xticks(range(len(names)), names)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
@@ -147,7 +154,7 @@ def _plot_acceptance(results: BenchResults, path: Path) -> None:
             if c is None or not c.acceptance or all(a is None for a in c.acceptance):
                 continue  # `none` and HF peers have no per-position statistics
             pts = [(k, a) for k, a in zip(ks, c.acceptance) if a is not None]
-            ax.plot(*zip(*pts), marker="o", markersize=3, label=label)
+            ax.plot(*zip(*pts), marker="o", markersize=3, label=label, color=_color(results, label))
         ax.set_title(ds, fontsize=10)
         ax.set_xticks(ks)
         ax.set_xlabel("draft position k")
