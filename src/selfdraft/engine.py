@@ -183,7 +183,7 @@ class Engine:
         for q in reqs:
             budget = min(q.config.gamma, q.config.max_new_tokens - len(q.out) - 1)
             proposal = q.drafter.propose(q.prompt + q.out, budget, q.params, q.generator)
-            if getattr(proposal, "parents", None) is not None:
+            if proposal.parents is not None:
                 raise TargetError(f"{q.drafter.name} drafts a tree; the batched engine verifies chains (use decode.generate)")
             proposals.append(proposal.truncate(budget))
         # 2. The scheduler picks ℓ_r from the confidences (and SPS).
@@ -227,7 +227,7 @@ class Engine:
         """Input [R, W] (pads repeat the anchor), positions = committed count + i, mask = valid
         cache slots + the request's own ℓ_r + 1 block slots. Returns the step ([R, W, ...]) and the
         union of the drafters' feature layers it carries."""
-        R, W = len(reqs), max(ells) + 1
+        W = max(ells) + 1
         ids = torch.stack([torch.tensor([q.out[-1]] * W) for q in reqs])  # [R, W]
         for r, p in enumerate(proposals):
             ids[r, 1 : ells[r] + 1] = p.tokens
