@@ -46,6 +46,13 @@ class Strategy:
     def build(self, cfg: DrafterConfig, target: "Target") -> torch.nn.Module:
         raise NotImplementedError
 
+    def default_feature_layers(self, target: "Target") -> tuple[int, ...]:
+        """Feature layers when the config gives none (DESIGN 3: DFlash/DSpark spread 5 layers)."""
+        return target.default_feature_layers()
+
+    def prepare(self, model: torch.nn.Module, cfg: DrafterConfig, target: "Target", data_dir: str) -> None:
+        """Data-dependent initialisation of a freshly built module (EAGLE-3: the draft vocabulary)."""
+
     def loss(
         self, model: torch.nn.Module, batch: Batch, target: "Target", cfg: DrafterConfig, generator: torch.Generator
     ) -> LossOutput:

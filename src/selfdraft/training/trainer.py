@@ -163,8 +163,9 @@ def make_batch(seqs: list[Sequence], target: Target, feature_layers: tuple[int, 
             feats[b, :n], last[b, :n] = s.cached.features[:n].float(), s.cached.last_hidden[:n].float()
     else:
         step = target.forward(ids, None, feature_layers, attention_mask=attn.long(), last_only=True)
-        feats = step.features.to(torch.float32, copy=True)
         last = step.last_hidden.to(torch.float32, copy=True)
+        no_feats = last.new_zeros(*last.shape[:2], 0, last.shape[-1])  # [B, T, 0, H]: no feature layers (MTP)
+        feats = step.features.to(torch.float32, copy=True) if feature_layers else no_feats
     return Batch(
         input_ids=ids,
         loss_mask=loss_mask & attn,
@@ -218,7 +219,7 @@ def train(
         )
     if target.model.dtype != torch.float32 and not train_cfg.bf16:
         raise ConfigError(f"a {target.model.dtype} target needs bf16 autocast: enable bf16, or load the target in float32")
-    cfg = replace(drafter_cfg, feature_layers=drafter_cfg.feature_layers or target.default_feature_layers())
+    cfg = replace(drafter_cfg, feature_layers=drafter_cfg.feature_layers or strategy.default_feature_layers(target))
     if train_cfg.features != "online":
         from selfdraft.training.features import FeatureCache
 
@@ -321,6 +322,7 @@ def _start_or_resume(
     recover_interrupted_save(out_dir)
     if not (resume and (out_dir / CONFIG_FILE).exists()):
         model = strategy.build(cfg, target).to(device=target.model.device, dtype=torch.float32).train()
+        strategy.prepare(model, cfg, target, train_cfg.data)  # data-dependent init (EAGLE-3 draft vocab)
         return RunState(model, _optimizer(model, train_cfg), gen, DataCursor())
     state = _check_resumable(out_dir, target, cfg, train_cfg, n_train)
     model = load_module(out_dir, target, dtype=torch.float32).model.train()

@@ -1,0 +1,151 @@
+"""EAGLE-3 and MTP: TTT mask vs a slow reference, training states == inference drafts, lossless
+greedy chain/tree decoding, tiny overfits, the native MTP loader, and `selfdraft train` end to end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from selfdraft.config import DrafterConfig, GenerationConfig, SamplingParams
+from selfdraft.decode import generate
+from selfdraft.drafters import REGISTRY
+from selfdraft.drafters.eagle3 import eagle3_feature_layers, ttt_states
+from selfdraft.sampling import probs_from_logits
+from selfdraft.target import Target, TargetStep
+from selfdraft.training.masks import ttt_attention_mask
+from selfdraft.training.strategy import STRATEGIES, Batch
+
+V, H, LAYERS = 96, 48, 5
+FEATS = (1, 2, 3)
+PROMPT = [5, 17, 3, 42, 8, 8, 61]
+
+
+@pytest.fixture(scope="module")
+def target() -> Target:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=V, hidden_size=H, num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, max_position_embeddings=256, eos_token_id=None, bos_token_id=None,
+        pad_token_id=None, tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # a peaked p, as in trained LMs
+        model.lm_head.weight.normal_(0.0, 3.0 / H**0.5)
+    return Target(model)
+
+
+def make(method: str, target: Target, seed: int = 1, **kw):
+    torch.manual_seed(seed)
+    feats = () if method == "mtp" else FEATS
+    cfg = DrafterConfig(method=method, feature_layers=feats, **kw)
+    return STRATEGIES[method].build(cfg, target), cfg
+
+
+def reduced_vocab(model, target: Target, size: int = 64, seed: int = 0) -> None:
+    """A random draft vocabulary of `size` tokens (speculators d2t offsets / t2d mask)."""
+    ids = torch.randperm(V, generator=torch.Generator().manual_seed(seed))[:size].sort().values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[ids] = True
+    model.set_vocab(ids - torch.arange(size), t2d, target)
+
+
+def regenerated_batch(target: Target, B: int = 2, T: int = 32, feats=FEATS) -> Batch:
+    """A 6-token prompt then the target's own greedy answer (as regenerated training data is)."""
+    ids = torch.randint(0, V, (B, 6), generator=torch.Generator().manual_seed(0))
+    ids = target.model.generate(ids, do_sample=False, max_new_tokens=T - 6, min_new_tokens=T - 6)
+    attn = torch.ones(B, T, dtype=torch.bool)
+    loss_mask = attn.clone()
+    loss_mask[:, :6] = False
+    step = target.forward(ids, None, feats)
+    features = step.features.clone() if feats else step.last_hidden.new_zeros(B, T, 0, H)
+    return Batch(ids, loss_mask, attn, features, step.last_hidden.clone())
+
+
+# --------------------------------------------------------------------------- EAGLE-3
+def test_ttt_mask_equals_slow_reference():
+    S, G = 6, 4
+    m = ttt_attention_mask(S, G)
+    for j in range(G):
+        for t in range(S):
+            for i in range(G):
+                for s in range(S):
+                    expected = (i == 0 and s <= t) or (1 <= i <= j and s == t)
+                    assert bool(m[j * S + t, i * S + s]) == expected, (j, t, i, s)
+    assert eagle3_feature_layers(30) == (1, 14, 26) and eagle3_feature_layers(5) == (1,)
+
+
+@pytest.mark.parametrize("vocab", [None, 64])
+def test_ttt_states_equal_inference_drafts(target, vocab):
+    """Training (all slots, ground-truth tokens) sees exactly what the inference chain sees when the
+    ground truth is the chain's own drafts: q_j from inference == softmax of the TTT logits."""
+    model, cfg = make("eagle3", target, gamma=4, draft_vocab_size=vocab or 0)
+    if vocab:
+        reduced_vocab(model, target, vocab)
+    drafter = STRATEGIES["eagle3"].drafter(model, cfg, target)
+    params = SamplingParams(temperature=1.0)
+    prompt, anchor = PROMPT, 11
+    # the context arrives as a prefill then one observed round, as in decoding
+    full = target.forward(torch.tensor([prompt]), None, FEATS)
+    drafter.begin(prompt[:4], TargetStep(None, full.features[:, :4], full.last_hidden[:, :4]))
+    drafter.observe(None, TargetStep(None, full.features[:, 4:], full.last_hidden[:, 4:]))
+    prop = drafter.propose(prompt + [anchor], 4, params, torch.Generator().manual_seed(0))
+    seq = torch.tensor([prompt + [anchor] + prop.tokens.tolist()])
+    feats = target.forward(seq, None, FEATS).features
+    with torch.no_grad():
+        states = ttt_states(model, target, seq, feats, 4)
+    n = len(prompt)  # the anchor's position; slot n - 1 drafts the token after it
+    for j in range(4):
+        q = probs_from_logits(drafter._to_target(model.draft_logits(states[j][0, n - 1])), params)
+        torch.testing.assert_close(prop.q[j], q, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tree", [None, dict(depth=3, top_k=3, total_tokens=10), dict(depth=5, top_k=4, total_tokens=30)])
+def test_eagle3_greedy_equals_plain_greedy(target, tree):
+    n = 24
+    plain = generate(target, REGISTRY["none"](), PROMPT, config=GenerationConfig(max_new_tokens=n))
+    model, cfg = make("eagle3", target, gamma=5, draft_vocab_size=64)
+    reduced_vocab(model, target)
+    drafter = STRATEGIES["eagle3"].drafter(model, cfg, target)
+    if tree:
+        drafter.set_tree(**tree)
+    for gamma in (1, 3, 6):
+        res = generate(target, drafter, PROMPT, config=GenerationConfig(max_new_tokens=n, gamma=gamma))
+        assert res.token_ids == plain.token_ids, gamma
+        if tree:
+            assert max(r.proposed for r in res.rounds) <= tree["total_tokens"] - 1
+
+
+def test_eagle3_tree_sampling_runs(target):
+    model, cfg = make("eagle3", target, gamma=4)
+    drafter = STRATEGIES["eagle3"].drafter(model, cfg, target)
+    drafter.set_tree(depth=4, top_k=3, total_tokens=12)
+    res = generate(target, drafter, PROMPT, SamplingParams(temperature=1.0, seed=0), GenerationConfig(max_new_tokens=16, gamma=4))
+    assert len(res.token_ids) == 16 and all(0 <= t < V for t in res.token_ids)
+
+
+def _overfit(method: str, target: Target, steps: int = 40, **kw):
+    model, cfg = make(method, target, gamma=4, **kw)
+    batch = regenerated_batch(target, feats=() if method == "mtp" else FEATS)
+    prompt = batch.input_ids[0, :6].tolist()
+    gen = GenerationConfig(max_new_tokens=20, gamma=4)
+    tau0 = generate(target, STRATEGIES[method].drafter(model, cfg, target), prompt, SamplingParams(), gen).tau
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        out = STRATEGIES[method].loss(model, batch, target, cfg, torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        losses.append(out.loss.item())
+    res = generate(target, STRATEGIES[method].drafter(model, cfg, target), prompt, SamplingParams(), gen)
+    plain = generate(target, REGISTRY["none"](), prompt, SamplingParams(), gen)
+    assert res.token_ids == plain.token_ids
+    return losses, out, tau0, res.tau
+
+
+def test_eagle3_tiny_overfit(target):
+    losses, out, tau0, tau = _overfit("eagle3", target)
+    assert losses[-1] < 0.5 * losses[0], losses[::8]
+    assert out.metrics["acc@1"] > 0.6 and out.metrics["acc@4"] > 0.5, out.metrics
+    assert tau > tau0 + 1.0, (tau0, tau)
