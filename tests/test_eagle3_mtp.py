@@ -11,6 +11,7 @@ from selfdraft.config import DrafterConfig, GenerationConfig, SamplingParams
 from selfdraft.decode import generate
 from selfdraft.drafters import REGISTRY
 from selfdraft.drafters.eagle3 import eagle3_feature_layers, ttt_states
+from selfdraft.drafters.mtp import mtp_states
 from selfdraft.sampling import probs_from_logits
 from selfdraft.target import Target, TargetStep
 from selfdraft.training.masks import ttt_attention_mask
@@ -149,3 +150,81 @@ def test_eagle3_tiny_overfit(target):
     assert losses[-1] < 0.5 * losses[0], losses[::8]
     assert out.metrics["acc@1"] > 0.6 and out.metrics["acc@4"] > 0.5, out.metrics
     assert tau > tau0 + 1.0, (tau0, tau)
+
+
+# --------------------------------------------------------------------------- MTP
+MTP_KINDS = [dict(mtp_modules=1, mtp_recursive=True), dict(mtp_modules=2, mtp_recursive=False),
+             dict(mtp_modules=2, mtp_recursive=True)]  # fmt: skip
+
+
+@pytest.mark.parametrize("kw", MTP_KINDS)
+def test_mtp_states_equal_inference_drafts(target, kw):
+    """Depth d's draft q_d at inference == the teacher-forced DeepSeek-V3 forward on [tokens, drafts]."""
+    model, cfg = make("mtp", target, gamma=4, **kw)
+    drafter = STRATEGIES["mtp"].drafter(model, cfg, target)
+    params = SamplingParams(temperature=1.0)
+    prompt, anchor = PROMPT, 11
+    full = target.forward(torch.tensor([prompt]), None)
+    drafter.begin(prompt[:3], TargetStep(None, None, full.last_hidden[:, :3]))
+    gen = torch.Generator().manual_seed(0)
+    drafter.propose(prompt[:3] + [prompt[3]], 2, params, gen)  # caches part of the context early
+    drafter.observe(None, TargetStep(None, None, full.last_hidden[:, 3:]))
+    prop = drafter.propose(prompt + [anchor], 4, params, gen)
+    assert prop.tokens.numel() == (4 if kw["mtp_recursive"] else model.depths)
+    seq = torch.tensor([prompt + [anchor] + prop.tokens.tolist()])
+    with torch.no_grad():
+        states = mtp_states(model, target, seq, target.forward(seq, None).last_hidden, prop.tokens.numel())
+    n = len(prompt)
+    for d in range(1, prop.tokens.numel() + 1):
+        q = probs_from_logits(model.logits(target, d, states[d - 1][0, n - 1]), params)
+        torch.testing.assert_close(prop.q[d - 1], q, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kw", MTP_KINDS)
+def test_mtp_greedy_equals_plain_greedy(target, kw):
+    n = 24
+    plain = generate(target, REGISTRY["none"](), PROMPT, config=GenerationConfig(max_new_tokens=n))
+    model, cfg = make("mtp", target, gamma=5, **kw)
+    drafter = STRATEGIES["mtp"].drafter(model, cfg, target)
+    for gamma in (1, 3, 6):
+        res = generate(target, drafter, PROMPT, config=GenerationConfig(max_new_tokens=n, gamma=gamma))
+        assert res.token_ids == plain.token_ids, gamma
+    short = generate(target, drafter, [7], config=GenerationConfig(max_new_tokens=8, gamma=5))  # n < depth
+    assert short.token_ids == generate(target, REGISTRY["none"](), [7], config=GenerationConfig(max_new_tokens=8)).token_ids
+
+
+def test_mtp_tiny_overfit(target):
+    losses, out, tau0, tau = _overfit("mtp", target, mtp_modules=2, mtp_recursive=True)
+    assert losses[-1] < 0.5 * losses[0], losses[::8]
+    assert out.metrics["acc@1"] > 0.8, out.metrics
+    assert tau > tau0 + 1.0, (tau0, tau)
+
+
+def test_native_mtp_loader_maps_deepseek_layer_names(target, tmp_path):
+    """A synthetic checkpoint: the target's own layers, then two MTP layers named like DeepSeek-V3's
+    layer 61 (layers L and L+1 here) with their shared embedding / head copies."""
+    from safetensors.torch import save_file
+
+    from selfdraft.drafters.mtp import NATIVE_SUFFIXES, load_native_mtp
+
+    ref, _ = make("mtp", target, seed=3, mtp_modules=2)
+    inverse = {ours: native for native, ours in NATIVE_SUFFIXES.items()}
+    tensors = {"model.layers.0.self_attn.q_proj.weight": torch.zeros(H, H), "lm_head.weight": torch.zeros(V, H)}
+    for name, t in ref.state_dict().items():
+        _, d, rest = name.split(".", 2)
+        tensors[f"model.layers.{LAYERS + int(d)}.{inverse[rest]}"] = t.clone()
+    for d in range(2):
+        tensors[f"model.layers.{LAYERS + d}.shared_head.head.weight"] = torch.zeros(V, H)
+        tensors[f"model.layers.{LAYERS + d}.embed_tokens.weight"] = torch.zeros(V, H)
+    save_file(tensors, str(tmp_path / "model-00001.safetensors"))
+    model, cfg = load_native_mtp(tmp_path, target, gamma=4)
+    assert cfg.mtp_modules == 2 and cfg.method == "mtp" and model.depths == 4
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in ref.state_dict().items())
+    # the loaded module drafts losslessly, and MLA-style blocks are refused by name
+    drafter = STRATEGIES["mtp"].drafter(model, cfg, target)
+    res = generate(target, drafter, PROMPT, config=GenerationConfig(max_new_tokens=12, gamma=4))
+    assert res.token_ids == generate(target, REGISTRY["none"](), PROMPT, config=GenerationConfig(max_new_tokens=12)).token_ids
+    tensors[f"model.layers.{LAYERS}.self_attn.q_a_proj.weight"] = torch.zeros(4, H)
+    save_file(tensors, str(tmp_path / "model-00001.safetensors"))
+    with pytest.raises(ValueError, match="q_a_proj"):
+        load_native_mtp(tmp_path, target)

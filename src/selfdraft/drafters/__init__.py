@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from selfdraft.config import ConfigError
-from selfdraft.drafters import dflash, dspark, eagle3, ngram, none  # noqa: F401  (registration side effects)
+from selfdraft.drafters import dflash, dspark, eagle3, mtp, ngram, none  # noqa: F401  (registration side effects)
 from selfdraft.drafters.base import REGISTRY, Drafter, Proposal, register
 
 if TYPE_CHECKING:

@@ -1,0 +1,260 @@
+"""MTP: DeepSeek-V3 multi-token prediction modules on the frozen target (DESIGN section 4).
+
+Depth d (d = 1..K) at slot t (DeepSeek-V3 report, eqs. 21-23):
+    h'^d_t = W_proj [RMSNorm(Emb(x_{t+d})) ; RMSNorm(h^{d-1}_t)]      (2H -> H, no bias, embedding first)
+    h^d_t  = TRM_d(h'^d_{0..t})                                       (one causal transformer block)
+    P^d_t  = softmax(LMHead(RMSNorm_d(h^d_t)))                         predicts x_{t+d+1}
+h^0 is the target's final hidden state, taken post-norm (TargetStep.last_hidden; it is what HF
+returns and what vLLM feeds native MTP layers; hnorm re-normalises it anyway). Embedding and LM
+head are the target's own, frozen. Module d = modules[min(d, D) - 1]: D stacked modules, and with
+cfg.mtp_recursive the last one is reused for depths D+1..γ. Loss Σ_d 0.6^(d-1) CE_d / Σ_d 0.6^(d-1).
+Each depth attends causally to its own depth's states, in training as at inference (MTPDrafter).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+from selfdraft.config import ConfigError, DrafterConfig, SamplingParams
+from selfdraft.drafters.base import Drafter, Proposal
+from selfdraft.drafters.dflash import lm_logits
+from selfdraft.drafters.layers import KV, InjectedDecoderLayer, LayerShape, RMSNorm, Rotary
+from selfdraft.sampling import probs_from_logits, sample
+from selfdraft.target import Target, TargetStep
+from selfdraft.training.objectives import accuracy_at_k
+from selfdraft.training.strategy import Batch, LossOutput, Strategy, register_strategy
+
+
+class MTPModule(nn.Module):
+    """One DeepSeek-V3 MTP module (parameter names follow the native checkpoints, see load_native_mtp)."""
+
+    def __init__(self, s: LayerShape) -> None:
+        super().__init__()
+        self.enorm = RMSNorm(s.hidden, s.eps)
+        self.hnorm = RMSNorm(s.hidden, s.eps)
+        self.eh_proj = nn.Linear(2 * s.hidden, s.hidden, bias=False)
+        self.block = InjectedDecoderLayer(s)  # a pre-norm Llama block; ctx = this depth's cached K/V
+        self.norm = RMSNorm(s.hidden, s.eps)  # shared_head.norm
+
+    def forward(
+        self, emb: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, ctx: KV, mask: torch.Tensor, rotary: Rotary
+    ) -> tuple[torch.Tensor, KV]:
+        """emb, h: [B, Q, H], positions: [B, Q], ctx: K/V [B, n_kv, Tc, d], mask: [B, Q, Tc+Q] bool
+        -> (h^d [B, Q, H] before the final norm, the K/V of the Q positions for the cache)."""
+        x = self.eh_proj(torch.cat([self.enorm(emb.to(h.dtype)), self.hnorm(h)], dim=-1))
+        kv = self.block.self_attn.kv(self.block.input_layernorm(x), positions, rotary)
+        return self.block(x, positions, ctx, mask, rotary), kv
+
+
+class MTPModel(nn.Module):
+    def __init__(self, cfg: DrafterConfig, shape: LayerShape) -> None:
+        super().__init__()
+        self.shape = shape
+        self.layers = nn.ModuleList(MTPModule(shape) for _ in range(cfg.mtp_modules))
+        self.depths = max(cfg.gamma, cfg.mtp_modules) if cfg.mtp_recursive else cfg.mtp_modules
+        self.rotary = Rotary(shape.head_dim, shape.rope_theta)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layers[0].eh_proj.weight.dtype
+
+    def module(self, d: int) -> MTPModule:
+        """The module of depth d (1-based); past D the last one is reused (recursive MTP)."""
+        return self.layers[min(d, len(self.layers)) - 1]
+
+    def logits(self, target: Target, d: int, h: torch.Tensor) -> torch.Tensor:
+        """h^d [..., H] -> [..., V] float32 through module d's final norm and the shared LM head."""
+        return lm_logits(target, self.module(d).norm(h))
+
+    def empty_kv(self, batch: int, device) -> KV:
+        z = torch.zeros(batch, self.shape.kv_heads, 0, self.shape.head_dim, device=device, dtype=self.dtype)
+        return KV(z, z)
+
+
+def mtp_states(model: MTPModel, target: Target, ids: torch.Tensor, h0: torch.Tensor, depths: int) -> list[torch.Tensor]:
+    """Teacher-forced forward of every depth over all slots -> per depth h^d [B, T, H].
+
+    ids: [B, T], h0: [B, T, H] target final hidden states. Slot t at depth d reads x_{t+d} at
+    position t + d (clamped past the end: those slots are never supervised) and is causal over slots.
+    """
+    B, T = ids.shape
+    slot = torch.arange(T, device=ids.device)
+    causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril().expand(B, -1, -1)
+    emb = target.embed(ids)
+    h, states = h0.to(model.dtype), []
+    for d in range(1, depths + 1):
+        pos = (slot + d).expand(B, T)
+        h, _ = model.module(d)(emb[:, (slot + d).clamp(max=T - 1)], h, pos, model.empty_kv(B, ids.device), causal, model.rotary)
+        states.append(h)
+    return states
+
+
+class MTPStrategy(Strategy):
+    """Cross-entropy per depth against the next tokens, weighted mtp_decay^(d-1), normalised (DESIGN 4)."""
+
+    method = "mtp"
+
+    def default_feature_layers(self, target: Target) -> tuple[int, ...]:
+        return ()  # MTP reads only the final hidden state
+
+    def build(self, cfg: DrafterConfig, target: Target) -> MTPModel:
+        return MTPModel(cfg, LayerShape.from_hf(target.model.config))
+
+    def loss(self, model: MTPModel, batch: Batch, target: Target, cfg: DrafterConfig, generator) -> LossOutput:
+        ids = batch.input_ids
+        B, T = ids.shape
+        slot = torch.arange(T, device=ids.device)
+        losses, preds, golds, k_idx = [], [], [], []
+        for d, h in enumerate(mtp_states(model, target, ids, batch.last_hidden, model.depths), start=1):
+            gold_at = (slot + d + 1).clamp(max=T - 1).expand(B, -1)  # slot t at depth d predicts x_{t+d+1}
+            valid = (slot + d + 1 < T)[None] & batch.loss_mask.gather(1, gold_at)
+            logits, gold = model.logits(target, d, h[valid]), ids.gather(1, gold_at)[valid]
+            losses.append(F.cross_entropy(logits, gold) if gold.numel() else logits.sum() * 0.0)
+            preds.append(logits.argmax(-1)), golds.append(gold), k_idx.append(torch.full_like(gold, d - 1))
+        w = cfg.mtp_decay ** torch.arange(model.depths, dtype=torch.float32, device=ids.device)
+        loss = (w * torch.stack(losses)).sum() / w.sum()
+        metrics = {"ce": losses[0].item(), **accuracy_at_k(torch.cat(preds), torch.cat(golds), torch.cat(k_idx), model.depths)}
+        return LossOutput(loss=loss, tokens=int(golds[0].numel()), metrics=metrics)
+
+    def drafter(self, model: MTPModel, cfg: DrafterConfig, target: Target) -> "MTPDrafter":
+        return MTPDrafter(model, cfg, target)
+
+
+# --------------------------------------------------------------------------- inference
+class MTPDrafter(Drafter):
+    """Chain drafting with the exact training computation, depth by depth.
+
+    With the anchor x_n known, depth d at slot i needs x_{i+d}: slots i <= n - d are committed and
+    cached per depth (K/V and outputs), the last d - 1 slots n-d+1..n-1 are provisional: they read the
+    drafts d_1..d_{d-1} and are recomputed every round. The draft d_d comes from h^d_{n-1}.
+    """
+
+    def __init__(self, model: MTPModel, cfg: DrafterConfig, target: Target) -> None:
+        dtype = target.model.dtype
+        self.model = model if model.dtype == dtype else copy.deepcopy(model).to(dtype)
+        self.cfg, self.target = cfg, target
+        self.name = cfg.method
+        self.feature_layers = ()
+        self.h0: torch.Tensor | None = None  # [n, H] target final hidden states of the committed slots
+        self.kv: dict[int, KV] = {}  # depth -> cached K/V of the committed slots
+        self.outs: dict[int, torch.Tensor] = {}  # depth -> [c_d, H] committed h^d
+
+    def begin(self, prompt_ids: list[int], step: TargetStep) -> None:
+        self.h0 = step.last_hidden[0].to(self.model.dtype)
+        self.kv, self.outs = {}, {}
+
+    def observe(self, verification, step: TargetStep) -> None:
+        self.h0 = torch.cat([self.h0, step.last_hidden[0].to(self.model.dtype)])
+
+    def _run(self, d: int, slots: range, y: list[int], h_in: torch.Tensor, ctx: KV) -> tuple[torch.Tensor, KV]:
+        """Depth d over `slots` (consecutive) after the cached ctx: inputs h_in [Q, H], tokens y[i + d]."""
+        dev = self.h0.device
+        ids = torch.tensor([[y[i + d] for i in slots]], device=dev)
+        pos = torch.tensor([[i + d for i in slots]], device=dev)
+        Tc, Q = ctx.k.shape[2], len(slots)
+        mask = torch.ones(Q, Tc + Q, dtype=torch.bool, device=dev).tril(Tc)[None]
+        h, kv = self.model.module(d)(self.target.embed(ids), h_in[None], pos, ctx, mask, self.model.rotary)
+        return h[0], kv
+
+    def _hidden(self, d: int, i: int, prov: dict[int, tuple[int, torch.Tensor]]) -> torch.Tensor:
+        """h^d at slot i: the target's (d = 0), committed, or this round's provisional state."""
+        if d == 0:
+            return self.h0[i]
+        if d in self.outs and i < self.outs[d].shape[0]:
+            return self.outs[d][i]
+        start, h = prov[d]
+        return h[i - start]
+
+    @torch.inference_mode()
+    def propose(self, tokens: list[int], gamma: int, params: SamplingParams, generator) -> Proposal:
+        n = len(tokens) - 1  # the anchor's position; h0 covers slots 0..n-1
+        assert self.h0.shape[0] == n, f"drafter holds {self.h0.shape[0]} slots, the anchor is at {n}"
+        g = min(gamma, self.model.depths)
+        # 1. Cache the slots that became committed at depths 1..g (slot i needs x_{i+d}: i <= n - d).
+        for d in range(1, g + 1):
+            done = self.outs[d].shape[0] if d in self.outs else 0
+            new = range(done, max(done, n - d + 1))
+            if len(new):
+                h_in = torch.stack([self._hidden(d - 1, i, {}) for i in new])
+                ctx = self.kv.get(d, self.model.empty_kv(1, self.h0.device))
+                h, kv = self._run(d, new, tokens, h_in, ctx)
+                self.kv[d], self.outs[d] = ctx.append(kv), torch.cat([self.outs.get(d, h[:0]), h])
+        # 2. Draft depth by depth; depth d's last d - 1 slots read the drafts so far (provisional).
+        y, prov, qs = list(tokens), {}, []
+        for d in range(1, g + 1):
+            slots = range(max(0, n - d + 1), n)
+            if d > 1:
+                h_in = torch.stack([self._hidden(d - 1, i, prov) for i in slots])
+                ctx = self.kv.get(d, self.model.empty_kv(1, self.h0.device))
+                prov[d] = (slots.start, self._run(d, slots, y, h_in, ctx)[0])
+            q = probs_from_logits(self.model.logits(self.target, d, self._hidden(d, n - 1, prov)), params)
+            y.append(int(q.argmax()) if params.greedy else int(sample(q, generator)))
+            qs.append(q)
+        drafts = torch.tensor(y[n + 1 :], dtype=torch.long)
+        return Proposal(drafts, None if params.greedy or not qs else torch.stack(qs))
+
+
+MTP = register_strategy(MTPStrategy())
+
+
+# --------------------------------------------------------------------------- native weights
+NATIVE_SUFFIXES = {  # DeepSeek-V3 layer-(L+d-1) names -> MTPModule names
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "shared_head.norm.weight": "norm.weight",
+    "input_layernorm.weight": "block.input_layernorm.weight",
+    "post_attention_layernorm.weight": "block.post_attention_layernorm.weight",
+    **{f"self_attn.{p}_proj.weight": f"block.self_attn.{p}_proj.weight" for p in "qkvo"},
+    **{f"mlp.{p}_proj.weight": f"block.mlp.{p}_proj.weight" for p in ("gate", "up", "down")},
+}
+SHARED_SUFFIXES = ("embed_tokens.weight", "shared_head.head.weight")  # the target's own, not loaded
+
+
+def load_native_mtp(path: str | Path, target: Target, gamma: int = 7) -> tuple[MTPModel, DrafterConfig]:
+    """Map native MTP weights shipped with a target checkpoint onto MTPModel.
+
+    DeepSeek-V3 convention: the MTP module of depth d is stored as decoder layer L + d - 1 of the
+    checkpoint (`model.layers.61.*` for the 61-layer V3) with enorm / hnorm / eh_proj /
+    shared_head.norm and one transformer block. The block must be Llama-shaped (q/k/v/o + SwiGLU);
+    MLA or MoE blocks raise, naming the tensors that have no counterpart. path: a .safetensors file
+    or a directory of them. Returns the module (recursive, float32) and its DrafterConfig.
+    """
+    path = Path(path)
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{path}: no .safetensors files with native MTP weights")
+    pattern = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+    found: dict[int, dict[str, torch.Tensor]] = {}
+    unknown = []
+    for f in files:
+        with safe_open(str(f), "pt") as sf:
+            for key in sf.keys():
+                m = pattern.match(key)
+                if not m or int(m.group(1)) < target.num_layers:
+                    continue  # the target's own layers
+                depth, suffix = int(m.group(1)) - target.num_layers + 1, m.group(2)
+                if suffix in NATIVE_SUFFIXES:
+                    found.setdefault(depth, {})[NATIVE_SUFFIXES[suffix]] = sf.get_tensor(key)
+                elif suffix not in SHARED_SUFFIXES:
+                    unknown.append(key)
+    if not found:
+        raise ConfigError(f"{path} has no MTP layers (model.layers.{target.num_layers}.* and up)")
+    if unknown:
+        raise ConfigError(f"native MTP block is not Llama-shaped (MLA / MoE?): no counterpart for {unknown[:8]}")
+    D = max(found)
+    cfg = DrafterConfig(method="mtp", gamma=gamma, feature_layers=(), mtp_modules=D, mtp_recursive=True)
+    model = MTP.build(cfg, target).float()
+    state = {f"layers.{d - 1}.{name}": t for d, tensors in found.items() for name, t in tensors.items()}
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise ConfigError(f"native MTP weights do not fit this target's shapes: {e}") from e
+    return model, cfg
