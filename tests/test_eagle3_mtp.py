@@ -228,3 +228,44 @@ def test_native_mtp_loader_maps_deepseek_layer_names(target, tmp_path):
     save_file(tensors, str(tmp_path / "model-00001.safetensors"))
     with pytest.raises(ValueError, match="q_a_proj"):
         load_native_mtp(tmp_path, target)
+
+
+# --------------------------------------------------------------------------- `selfdraft train` end to end
+@pytest.mark.parametrize("method,extra", [
+    ("eagle3", ["--draft-vocab-size", "40", "--feature-layers", "0,1,2"]),
+    ("mtp", ["--mtp-modules", "2", "--mtp-recursive"]),
+])  # fmt: skip
+def test_cli_trains_and_drafts_losslessly(method, extra, tmp_path):
+    """`selfdraft train --method eagle3|mtp` -> load_drafter(dir) -> greedy output == plain greedy;
+    a checkpoint refuses another target, naming both."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from selfdraft.checkpoint import CheckpointError
+    from selfdraft.cli import app
+    from selfdraft.drafters import load_drafter
+    from tests.conftest import tiny_llama
+    from tests.toy_training import write_dataset
+
+    data, out, target_dir = write_dataset(tmp_path / "data"), tmp_path / method, tmp_path / "tiny-target"
+    tiny_llama(peaked=4.0).save_pretrained(target_dir)
+    res = CliRunner().invoke(app, ["train", "--method", method, "--target", str(target_dir), "--data", str(data),
+                                   "--out", str(out), "--steps", "3", "--gamma", "3", "--batch-size", "2",
+                                   "--max-seq-len", "24", "--val-every", "2", "--no-bf16", "--dtype", "float32", *extra])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    meta = json.loads((out / "config.json").read_text())
+    assert meta["method"] == method
+    target = Target.load(str(target_dir), dtype="float32")
+    drafter = load_drafter(str(out), target)
+    if method == "eagle3":
+        assert meta["drafter"]["draft_vocab_size"] == 40 and (data / "draft_vocab_40.safetensors").exists()
+        assert int(drafter.model.t2d.sum()) == 40 and drafter.feature_layers == (0, 1, 2)
+    else:
+        assert meta["feature_layers"] == [] and len(drafter.model.layers) == 2
+    prompt = [5, 8, 11, 14, 17]
+    cfg = GenerationConfig(max_new_tokens=16, gamma=3)
+    spec = generate(target, drafter, prompt, config=cfg)
+    assert spec.token_ids == generate(target, load_drafter("none", target), prompt, config=cfg).token_ids
+    with pytest.raises(CheckpointError, match="trained for target"):
+        load_drafter(str(out), Target(tiny_llama(seed=5)))
