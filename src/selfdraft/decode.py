@@ -12,16 +12,21 @@ from selfdraft.config import GenerationConfig, SamplingParams
 from selfdraft.drafters.base import Drafter, Proposal
 from selfdraft.sampling import probs_from_logits, sample
 from selfdraft.target import Target, TargetError, TargetStep
-from selfdraft.tree import commit_path, tree_inputs
+from selfdraft.tree import commit_path, depths, tree_inputs
 from selfdraft.verify import Verification, verify_chain, verify_greedy, verify_tree
 
 
 @dataclass
 class RoundStats:
-    proposed: int  # drafts sent to verification
+    proposed: int  # drafts sent to verification (tree: all nodes)
     accepted: int  # drafts accepted (the round commits accepted + 1 tokens)
     draft_s: float
     verify_s: float
+    depth: int = -1  # longest chain verified: proposed for a chain, the deepest node for a tree
+
+    def __post_init__(self) -> None:
+        if self.depth < 0:
+            self.depth = self.proposed
 
 
 @dataclass
@@ -51,7 +56,7 @@ class GenerationResult:
         """For k = 1..γ: (rounds where draft k was verified with drafts 1..k-1 accepted, accepted)."""
         counts = []
         for k in range(1, gamma + 1):
-            tried = [r for r in self.rounds if r.proposed >= k and r.accepted >= k - 1]
+            tried = [r for r in self.rounds if r.depth >= k and r.accepted >= k - 1]
             counts.append((len(tried), sum(r.accepted >= k for r in tried)))
         return counts
 
@@ -124,7 +129,8 @@ def generate(
         target.rollback(cache, P + len(out) - 1)
         # 7. The drafter sees the target's states at the newly committed positions.
         drafter.observe(v, _slice_step(step, v.num_accepted + 1))
-        res.rounds.append(RoundStats(len(proposal.tokens), v.num_accepted, t1 - t0, time.perf_counter() - t1))
+        depth = len(proposal.tokens) if proposal.parents is None or not len(proposal.tokens) else int(depths(proposal.parents).max())
+        res.rounds.append(RoundStats(len(proposal.tokens), v.num_accepted, t1 - t0, time.perf_counter() - t1, depth))
         if on_tokens:
             on_tokens(new)
 
