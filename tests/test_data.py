@@ -238,7 +238,8 @@ def test_resume_after_kill_loses_and_duplicates_nothing(tmp_path, chat_target):
     last = sorted(out.glob("shard-*.jsonl"))[-1]
     with open(last, "a") as f:
         f.write('{"id": "half-written rec')  # killed mid-line
-    second = regenerate(chat_target, prompts, out, cfg, progress=False)
+    with pytest.warns(UserWarning, match="dropped 1 half-written line"):
+        second = regenerate(chat_target, prompts, out, cfg, progress=False)
     assert (second.written, second.skipped_done) == (3, 4)
 
     with warnings.catch_warnings():

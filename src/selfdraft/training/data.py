@@ -642,6 +642,9 @@ def regenerate(
     out_dir = Path(out_dir)
     manifest = _open_manifest(out_dir, target, cfg, provenance or {})
     writer = ShardWriter(out_dir, cfg.shard_size)
+    if writer.repaired:
+        warnings.warn(f"{out_dir}: dropped {writer.repaired} half-written line(s) of an interrupted run; "
+                      f"those conversations are regenerated", stacklevel=2)
     pending = [p for p in prompts if p.id not in writer.done]
     lengths = {p.id: len(target.encode_prompt(p.turns[0])) for p in pending}
     pending.sort(key=lambda p: (lengths[p.id], p.id))
