@@ -10,13 +10,13 @@ from selfdraft.target import Target
 
 
 def tiny_llama(vocab: int = 96, hidden: int = 32, layers: int = 4, seed: int = 0, peaked: float = 0.0,
-               max_pos: int = 256) -> LlamaForCausalLM:
+               max_pos: int = 256, intermediate: int | None = None) -> LlamaForCausalLM:
     """A random Llama small enough for unit tests. `peaked` > 0 scales the output layer so p is far
     from uniform (statistical tests need distributions that differ visibly between models)."""
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=2 * hidden, max_position_embeddings=max_pos,
+        num_key_value_heads=2, intermediate_size=intermediate or 2 * hidden, max_position_embeddings=max_pos,
         tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None,
     )
     model = LlamaForCausalLM(cfg).float().eval()

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tests.conftest import tiny_llama
 
 from selfdraft.config import DrafterConfig, GenerationConfig, SamplingParams
 from selfdraft.decode import generate
@@ -22,27 +22,10 @@ V, H, LAYERS = 96, 48, 5
 FEATS = (1, 2, 3)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one thread avoids oversubscription on shared CPUs (15x faster here)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def target() -> Target:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=V, hidden_size=H, num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=64, max_position_embeddings=256, eos_token_id=None, bos_token_id=None,
-        pad_token_id=None, tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(cfg).float().eval()
-    with torch.no_grad():  # a peaked p (logits of std ~3), as in trained LMs, not HF's near-uniform init
-        model.lm_head.weight.normal_(0.0, 3.0 / H**0.5)
-    return Target(model)
+    # a peaked p (logits of std ~3), as in trained LMs, not HF's near-uniform init
+    return Target(tiny_llama(vocab=V, hidden=H, layers=LAYERS, seed=0, peaked=3.0, intermediate=64))
 
 
 def make(method: str, target: Target, seed: int = 1, markov_scale: float = 0.5, **kw):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tests.conftest import tiny_llama
 
 from selfdraft.config import DrafterConfig, GenerationConfig, SamplingParams
 from selfdraft.decode import generate
@@ -24,16 +24,8 @@ PROMPT = [5, 17, 3, 42, 8, 8, 61]
 
 @pytest.fixture(scope="module")
 def target() -> Target:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=V, hidden_size=H, num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=64, max_position_embeddings=256, eos_token_id=None, bos_token_id=None,
-        pad_token_id=None, tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(cfg).float().eval()
-    with torch.no_grad():  # a peaked p, as in trained LMs
-        model.lm_head.weight.normal_(0.0, 3.0 / H**0.5)
-    return Target(model)
+    # a peaked p (logits of std ~3), as in trained LMs, not HF's near-uniform init
+    return Target(tiny_llama(vocab=V, hidden=H, layers=LAYERS, seed=0, peaked=3.0, intermediate=64))
 
 
 def make(method: str, target: Target, seed: int = 1, **kw):
@@ -245,7 +237,6 @@ def test_cli_trains_and_drafts_losslessly(method, extra, tmp_path):
     from selfdraft.checkpoint import CheckpointError
     from selfdraft.cli import app
     from selfdraft.drafters import load_drafter
-    from tests.conftest import tiny_llama
     from tests.toy_training import write_dataset
 
     data, out, target_dir = write_dataset(tmp_path / "data"), tmp_path / method, tmp_path / "tiny-target"

@@ -10,7 +10,7 @@ import torch
 
 from selfdraft.config import GenerationConfig, SamplingParams
 from selfdraft.drafters.base import Drafter, Proposal
-from selfdraft.sampling import probs_from_logits, sample
+from selfdraft.sampling import probs_from_logits
 from selfdraft.target import Target, TargetError, TargetStep
 from selfdraft.tree import commit_path, depths, tree_inputs
 from selfdraft.verify import Verification, verify_chain, verify_greedy, verify_tree

@@ -15,7 +15,7 @@ import torch
 from selfdraft.config import SamplingParams
 
 if TYPE_CHECKING:
-    from selfdraft.target import Target, TargetStep
+    from selfdraft.target import TargetStep
     from selfdraft.verify import Verification
 
 

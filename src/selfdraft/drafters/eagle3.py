@@ -21,7 +21,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from selfdraft.config import ConfigError, DrafterConfig, SamplingParams
@@ -277,7 +276,7 @@ class Eagle3Drafter(Drafter):
         if self.cfg.tree_depth:
             return self.build_tree(h, tokens[-1], min(gamma, self.cfg.tree_depth))
         # 2. Chain: γ head steps, each fed the previous output and the previous draft.
-        drafts, qs, prev, kv = [], [], tokens[-1], self.ctx
+        drafts, qs, kv = [], [], self.ctx
         for k in range(gamma):
             logits = self._to_target(self.model.draft_logits(h))  # [V]
             q = probs_from_logits(logits, params)
