@@ -79,3 +79,13 @@ def test_calibrate_cli_needs_one_prompt_source(tmp_path):
 
     res = CliRunner().invoke(app, ["calibrate", "--drafter", str(tmp_path)])
     assert res.exit_code == 2 and "exactly one of --data" in res.output
+
+
+def test_positions_without_evidence_keep_the_previous_temperature():
+    """No held-out round reaches k = 3 here: T_3, T_4 must not jump to a degenerate grid extreme."""
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(500, 4, generator=g) * 2.0
+    accepted = torch.rand(500, 4, generator=g) < 0.5
+    accepted[:, 1] = False  # nobody survives past draft 2
+    temps = sequential_temperature_scaling(HeldOutRounds(z=z, accepted=accepted))
+    assert temps[2] == temps[3] == temps[1]

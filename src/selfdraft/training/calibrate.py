@@ -81,12 +81,23 @@ def prefix_confidence(z: torch.Tensor, temperatures: list[float]) -> torch.Tenso
     return torch.cumprod(torch.sigmoid(z.double() / torch.tensor(temperatures, dtype=torch.float64)), 1)
 
 
-def sequential_temperature_scaling(rounds: HeldOutRounds, grid: list[float] = TEMPERATURE_GRID) -> list[float]:
-    """T_k = argmin_T ECE(a_{k-1} σ(z_k / T), y_k), for k = 1..γ in order (T_1..T_{k-1} fixed)."""
+def sequential_temperature_scaling(
+    rounds: HeldOutRounds, grid: list[float] = TEMPERATURE_GRID, min_reached: int = 20
+) -> list[float]:
+    """T_k = argmin_T ECE(a_{k-1} σ(z_k / T), y_k), for k = 1..γ in order (T_1..T_{k-1} fixed).
+
+    A position that fewer than `min_reached` held-out rounds reach has no evidence to fit: it keeps
+    the previous position's temperature instead of a degenerate grid extreme.
+    """
     y, z = rounds.survived.double(), rounds.z.double()
     a_prev = torch.ones(z.shape[0], dtype=torch.float64)
     temps = []
     for k in range(z.shape[1]):
+        reached = z.shape[0] if k == 0 else int(y[:, k - 1].sum())
+        if reached < min_reached:
+            temps.append(temps[-1] if temps else 1.0)
+            a_prev = a_prev * torch.sigmoid(z[:, k] / temps[-1])
+            continue
         errs = [ece(a_prev * torch.sigmoid(z[:, k] / t), y[:, k]) for t in grid]
         temps.append(grid[min(range(len(grid)), key=errs.__getitem__)])
         a_prev = a_prev * torch.sigmoid(z[:, k] / temps[-1])
