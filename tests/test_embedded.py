@@ -62,3 +62,15 @@ def test_cli_generate_json(embedded_fp32):
     assert len(out["token_ids"]) <= 24 and sum(out["accepted_lengths"]) == len(out["token_ids"]) - 1
     assert out["token_ids"] == generate(embedded_fp32, load_drafter("none", embedded_fp32),
                                         out["prompt_token_ids"], config=GenerationConfig(max_new_tokens=24)).token_ids
+
+
+def test_shipped_dspark_drafter_is_lossless(embedded_fp32):
+    """The committed checkpoint loads onto the embedded target and its greedy output is the target's."""
+    from selfdraft.cli import SHIPPED_DSPARK
+
+    drafter = load_drafter(str(SHIPPED_DSPARK), embedded_fp32)
+    ids = embedded_fp32.encode_prompt(PROMPTS[1])
+    cfg = GenerationConfig(max_new_tokens=40)
+    spec = generate(embedded_fp32, drafter, ids, SamplingParams(), cfg)
+    assert spec.token_ids == generate(embedded_fp32, load_drafter("none", embedded_fp32), ids, SamplingParams(), cfg).token_ids
+    assert spec.tau > 1.0 and all(r.proposed <= 7 for r in spec.rounds)
