@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 from safetensors.torch import load_file, save_file
 
 from selfdraft.checkpoint import FORMAT, WEIGHTS_FILE, CheckpointError, atomic_dir, load_checkpoint
@@ -131,7 +132,7 @@ def collect_rounds(
     model, gamma, layers = drafter.model, drafter.cfg.gamma, drafter.feature_layers
     gen = torch.Generator().manual_seed(seed)
     zs, accs = [], []
-    for prompt in prompts:
+    for prompt in tqdm(prompts, desc="calibration rounds", unit="prompt", dynamic_ncols=True, disable=None):
         cache = target.new_cache()
         step = target.forward(torch.tensor([prompt]), cache, layers, last_only=True)
         out = [verify(step.logits[0, -1:], Proposal.empty(), params, gen).next_token]
