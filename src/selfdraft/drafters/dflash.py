@@ -13,7 +13,6 @@ Slot j sits at absolute position t + j; context keys keep their own positions 0.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Callable
 
@@ -22,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from selfdraft.config import DrafterConfig, SamplingParams
-from selfdraft.drafters.base import Drafter, Proposal
+from selfdraft.drafters.base import Proposal, TrainedDrafter
 from selfdraft.drafters.layers import KV, InjectedDecoderLayer, LayerShape, RMSNorm, Rotary
 from selfdraft.sampling import probs_from_logits, sample
 from selfdraft.target import Target, TargetStep
@@ -175,7 +174,7 @@ class DFlashStrategy(Strategy):
 
 
 # --------------------------------------------------------------------------- inference
-class DFlashDrafter(Drafter):
+class DFlashDrafter(TrainedDrafter):
     """Inference wrapper (also serves DSpark: the model's decode_block adds its heads).
 
     Keeps the per-layer context K/V of every committed position except the anchor and appends
@@ -184,12 +183,7 @@ class DFlashDrafter(Drafter):
     """
 
     def __init__(self, model: DFlashModel, cfg: DrafterConfig, target: Target) -> None:
-        dtype = target.model.dtype
-        # Run in the target's dtype; copy rather than cast a module the trainer may still be training.
-        self.model = model if model.dtype == dtype else copy.deepcopy(model).to(dtype)
-        self.cfg, self.target = cfg, target
-        self.name = cfg.method
-        self.feature_layers = tuple(cfg.feature_layers)
+        super().__init__(model, cfg, target)
         self.ctx: list[KV] = []
         self.ctx_len = 0
 

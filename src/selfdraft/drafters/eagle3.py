@@ -16,7 +16,6 @@ Inference: a chain of γ drafts, or an EAGLE-2 dynamic tree (`build_tree`).
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import torch
 from torch import nn
 
 from selfdraft.config import ConfigError, DrafterConfig, SamplingParams
-from selfdraft.drafters.base import Drafter, Proposal
+from selfdraft.drafters.base import Proposal, TrainedDrafter
 from selfdraft.drafters.layers import KV, MLP, InjectedAttention, LayerShape, RMSNorm, Rotary
 from selfdraft.sampling import probs_from_logits, sample
 from selfdraft.target import Target, TargetStep
@@ -217,7 +216,7 @@ class TreeNode:
     ancestors: frozenset[int]  # node indices on the path, itself included
 
 
-class Eagle3Drafter(Drafter):
+class Eagle3Drafter(TrainedDrafter):
     """Chain or EAGLE-2 tree drafting (cfg.tree_depth > 0) with a KV cache over the committed context.
 
     Committed slot t (input g_t, x_{t+1}) enters the cache once x_{t+1} is known: after begin/observe
@@ -226,11 +225,7 @@ class Eagle3Drafter(Drafter):
     """
 
     def __init__(self, model: Eagle3Model, cfg: DrafterConfig, target: Target) -> None:
-        dtype = target.model.dtype
-        self.model = model if model.dtype == dtype else copy.deepcopy(model).to(dtype)
-        self.cfg, self.target = cfg, target
-        self.name = cfg.method
-        self.feature_layers = tuple(cfg.feature_layers)
+        super().__init__(model, cfg, target)
         self.ctx: KV | None = None
         self.ctx_len = 0
         self.pending: torch.Tensor | None = None  # [n, H] fused features of slots not yet cached

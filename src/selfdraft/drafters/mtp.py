@@ -13,7 +13,6 @@ Each depth attends causally to its own depth's states, in training as at inferen
 
 from __future__ import annotations
 
-import copy
 import re
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from safetensors import safe_open
 from torch import nn
 
 from selfdraft.config import ConfigError, DrafterConfig, SamplingParams
-from selfdraft.drafters.base import Drafter, Proposal
+from selfdraft.drafters.base import Proposal, TrainedDrafter
 from selfdraft.drafters.dflash import lm_logits
 from selfdraft.drafters.layers import KV, InjectedDecoderLayer, LayerShape, RMSNorm, Rotary
 from selfdraft.sampling import probs_from_logits, sample
@@ -128,7 +127,7 @@ class MTPStrategy(Strategy):
 
 
 # --------------------------------------------------------------------------- inference
-class MTPDrafter(Drafter):
+class MTPDrafter(TrainedDrafter):
     """Chain drafting with the exact training computation, depth by depth.
 
     With the anchor x_n known, depth d at slot i needs x_{i+d}: slots i <= n - d are committed and
@@ -137,11 +136,8 @@ class MTPDrafter(Drafter):
     """
 
     def __init__(self, model: MTPModel, cfg: DrafterConfig, target: Target) -> None:
-        dtype = target.model.dtype
-        self.model = model if model.dtype == dtype else copy.deepcopy(model).to(dtype)
-        self.cfg, self.target = cfg, target
-        self.name = cfg.method
-        self.feature_layers = ()
+        super().__init__(model, cfg, target)
+        self.feature_layers = ()  # MTP reads the final hidden state only
         self.h0: torch.Tensor | None = None  # [n, H] target final hidden states of the committed slots
         self.kv: dict[int, KV] = {}  # depth -> cached K/V of the committed slots
         self.outs: dict[int, torch.Tensor] = {}  # depth -> [c_d, H] committed h^d
