@@ -40,6 +40,7 @@ class StepOutput:
     new_tokens: list[int]  # tokens committed for this request in this step (may be empty)
     finished: bool
     finish_reason: str | None = None  # "eos" | "length" when finished
+    round: RoundStats | None = None  # this step's speculative round (None for the prefill token)
 
 
 class PaddedCache:
@@ -206,13 +207,14 @@ class Engine:
             keep_slots[r, : v.num_accepted + 1] = True  # the old anchor + accepted drafts
             # 5. The drafter sees the target's states at the newly committed positions.
             q.drafter.observe(v, _row_step(step, r, v.num_accepted + 1, layers, q.drafter.feature_layers))
-            q.result.rounds.append(RoundStats(len(p.tokens), v.num_accepted, (t1 - t0) / len(reqs), verify_s))
+            stats = RoundStats(len(p.tokens), v.num_accepted, (t1 - t0) / len(reqs), verify_s)
+            q.result.rounds.append(stats)
             done = q.finished(self.target)
             if done:
                 self._finish(q, q.result.finish_reason)
             else:
                 alive.append(r)
-            outputs.append(StepOutput(q.id, new, done, q.result.finish_reason if done else None))
+            outputs.append(StepOutput(q.id, new, done, q.result.finish_reason if done else None, stats))
         # 6. Cache: keep anchors + accepted drafts, drop finished rows, squeeze holes when they pile up.
         self.kv.valid = torch.cat([self.kv.valid, keep_slots], 1)
         self.active = [reqs[r] for r in alive]

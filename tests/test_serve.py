@@ -1,0 +1,372 @@
+"""`selfdraft serve`: the real server (uvicorn on a free loopback port) driven by the official
+`openai` client. A tiny random Llama with a character tokenizer, saved to disk and loaded the way
+the CLI loads a target (float32, so greedy output is exact and comparable with `selfdraft generate`)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import string
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+from typer.testing import CliRunner
+
+from selfdraft.cli import app as cli_app
+from selfdraft.config import GenerationConfig, SamplingParams
+from selfdraft.decode import generate
+from selfdraft.drafters.base import Drafter, Proposal
+from selfdraft.engine import drafter_factory
+from selfdraft.scheduler import Scheduler
+from selfdraft.serve import EngineLoop, ServerMetrics, create_app
+from selfdraft.serve.text import TextStream
+from selfdraft.target import Target
+from tests.conftest import tiny_llama
+
+KEY = "sk-test"
+GAMMA = GenerationConfig().gamma
+PROMPT = "The quick brown fox"
+
+
+def char_tokenizer():
+    """A character-level fast tokenizer with a ChatML template (no download)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [c for c in string.printable if c not in "\x0b\x0c\r"]
+    vocab = {t: i for i, t in enumerate(["<unk>", "<|im_start|>", "<|im_end|>", *chars])}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<|im_end|>",
+                                  additional_special_tokens=["<|im_start|>"])
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return tok
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    tok = char_tokenizer()
+    d = tmp_path_factory.mktemp("tiny-chat")
+    tiny_llama(vocab=len(tok), hidden=32, layers=4, seed=3, max_pos=256).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def target(model_dir) -> Target:
+    return Target.load(str(model_dir), dtype="float32")
+
+
+class SlowNone(Drafter):
+    """Plain decoding that takes at least `delay` per round: keeps requests in flight long enough to
+    test admission limits, disconnects and shutdown deterministically."""
+
+    name = "slow"
+
+    def __init__(self, delay: float = 0.03) -> None:
+        self.delay = delay
+
+    def propose(self, tokens, gamma, params, generator) -> Proposal:
+        time.sleep(self.delay)
+        return Proposal.empty()
+
+
+@dataclass
+class Server:
+    url: str
+    runner: EngineLoop
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    def client(self, key: str = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=30)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def start_server(target: Target, make_drafter, name: str, api_key: str | None = KEY, max_concurrency: int = 8,
+                 max_batch: int = 8, grace: float = 5.0) -> Server:
+    runner = EngineLoop(target, make_drafter, name, Scheduler("fixed"), max_batch, max_concurrency, ServerMetrics(GAMMA))
+    app = create_app(runner, "tiny", api_key, gamma=GAMMA, shutdown_grace_s=grace)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=grace))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    for _ in range(500):
+        if server.started:
+            break
+        time.sleep(0.01)
+    assert server.started
+    return Server(f"http://127.0.0.1:{sock.getsockname()[1]}", runner, server, thread)
+
+
+@pytest.fixture(scope="module")
+def servers(target):
+    out = {name: start_server(target, drafter_factory(name, target), name, api_key=KEY if name == "ngram" else None)
+           for name in ("ngram", "none")}
+    yield out
+    for s in out.values():
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def srv(servers) -> Server:
+    return servers["ngram"]
+
+
+@pytest.fixture
+def slow(target):
+    s = start_server(target, lambda: SlowNone(), "slow", api_key=None, max_concurrency=2, max_batch=1, grace=5.0)
+    yield s
+    s.stop()
+
+
+def stream_text(stream) -> tuple[str, list]:
+    chunks = list(stream)
+    text = "".join((c.choices[0].text if hasattr(c.choices[0], "text") else c.choices[0].delta.content or "")
+                   for c in chunks if c.choices)
+    return text, chunks
+
+
+def wait_until(cond, timeout: float = 5.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+# ---------------------------------------------------------------- incremental detokenization (pure)
+def utf8(ids: list[int]) -> str:
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def feed(ts: TextStream, data: bytes) -> list[str]:
+    return [ts.push(b) for b in data]
+
+
+def test_text_stream_waits_for_whole_characters():
+    ts = TextStream(utf8)
+    pieces = feed(ts, "aé€b".encode())
+    assert "".join(pieces) + ts.flush() == "aé€b" and "\ufffd" not in "".join(pieces)
+    assert pieces[1] == "" and pieces[2] == "é"  # é is two bytes: nothing after the first one
+
+
+def test_text_stream_cuts_at_stop_across_tokens_and_holds_possible_prefixes():
+    ts = TextStream(utf8, stop=("END", "xyz"))
+    pieces = feed(ts, b"abEN")
+    assert "".join(pieces) == "ab"  # "EN" may start "END": held back
+    assert ts.push(ord("D")) == "" and ts.stopped
+    assert ts.push(ord("q")) == "" and ts.flush() == ""
+    ts = TextStream(utf8, stop=("END",))
+    assert "".join(feed(ts, b"abENx")) + ts.flush() == "abENx"  # not a stop after all: released
+    ts = TextStream(lambda ids: "".join(["hello", " wor", "ld!"][i] for i in ids), stop=("lo w", "d!"))
+    assert ts.push(0) == "hel" and ts.push(1) == "" and ts.stopped  # the stop string inside/over tokens
+
+
+# ---------------------------------------------------------------- the OpenAI API
+def test_models_health_and_auth(srv):
+    models = srv.client().models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    h = httpx.get(f"{srv.url}/health").json()
+    assert h["status"] == "ok" and h["drafter"] == "ngram"
+    with pytest.raises(openai.AuthenticationError):
+        srv.client("sk-wrong").models.list()
+    r = httpx.post(f"{srv.url}/v1/completions", json={"model": "tiny", "prompt": "hi"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "none"])
+def test_greedy_chat_equals_selfdraft_generate(servers, model_dir, drafter):
+    """Server output == `selfdraft generate` (the CLI, same saved target, float32) token for token."""
+    s = servers[drafter]
+    resp = s.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}],
+                                              max_tokens=60, temperature=0)
+    res = CliRunner().invoke(cli_app, ["generate", "-p", PROMPT, "--target", str(model_dir), "--dtype", "float32",
+                                       "--drafter", drafter, "-n", "60", "--json"])
+    assert res.exit_code == 0, res.output
+    ref = json.loads(res.output.strip().splitlines()[-1])
+    assert resp.choices[0].message.content == ref["text"]
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.completion_tokens == len(ref["token_ids"]) == 60
+    assert resp.usage.prompt_tokens == len(ref["prompt_token_ids"])
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "none"])
+def test_greedy_completion_equals_single_request_decode(servers, target, drafter):
+    s = servers[drafter]
+    ids = target.encode_prompt(PROMPT, chat=False)
+    ref = generate(target, drafter_factory(drafter, target)(), ids, SamplingParams(), GenerationConfig(max_new_tokens=50))
+    resp = s.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=50, temperature=0)
+    assert resp.choices[0].text == target.decode(ref.token_ids)
+    spec = resp.usage.model_extra["speculative"]
+    assert spec["drafter"] == drafter and spec["rounds"] == len(ref.rounds)
+    assert spec["accepted_draft_tokens"] == sum(r.accepted for r in ref.rounds)
+    assert spec["tau"] == pytest.approx(ref.tau)
+    by_ids = s.client().completions.create(model="tiny", prompt=ids, max_tokens=50, temperature=0)
+    assert by_ids.choices[0].text == resp.choices[0].text
+
+
+def test_streaming_concatenation_equals_non_streamed(srv):
+    c = srv.client()
+    whole = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0)
+    text, chunks = stream_text(c.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0,
+                                                    stream=True, stream_options={"include_usage": True}))
+    assert text == whole.choices[0].text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 40 and chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}]
+    whole = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=40, temperature=0)
+    text, chunks = stream_text(c.chat.completions.create(model="tiny", messages=msgs, max_tokens=40, temperature=0,
+                                                         stream=True))
+    assert text == whole.choices[0].message.content and whole.choices[0].message.role == "assistant"
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason == "length"
+    assert len(chunks) > 3  # text arrives step by step
+
+
+def test_stop_strings(srv):
+    c = srv.client()
+    full = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=60, temperature=0).choices[0].text
+    stop = full[20:23]
+    expected = full[: full.index(stop)]
+    for stream in (False, True):
+        r = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=60, temperature=0, stop=[stop, "\x00never"],
+                                 stream=stream, **({"stream_options": {"include_usage": True}} if stream else {}))
+        if stream:
+            text, chunks = stream_text(r)
+            finish, usage = [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1], chunks[-1].usage
+        else:
+            text, finish, usage = r.choices[0].text, r.choices[0].finish_reason, r.usage
+        assert text == expected and finish == "stop", stream
+        assert len(expected) < usage.completion_tokens < 60  # the tokens up to the stop string, no more
+    assert wait_until(lambda: not srv.runner.engine.active)  # stopped requests left the batch
+
+
+def test_seed_reproducible_at_temperature_one(srv):
+    c = srv.client()
+    msgs = [{"role": "user", "content": PROMPT}]
+    run = lambda seed: c.chat.completions.create(model="tiny", messages=msgs, max_tokens=30, temperature=1.0,  # noqa: E731
+                                                 top_p=0.95, seed=seed).choices[0].message.content
+    a, b, other = run(7), run(7), run(8)
+    assert a == b and a != other
+    streamed, _ = stream_text(c.chat.completions.create(model="tiny", messages=msgs, max_tokens=30, temperature=1.0,
+                                                        top_p=0.95, seed=7, stream=True))
+    assert streamed == a
+
+
+def test_metrics_parse(srv):
+    srv.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0)
+    text = httpx.get(f"{srv.url}/metrics").text
+    samples = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            samples.setdefault(s.name, []).append(s)
+    total = lambda name: sum(s.value for s in samples[name])  # noqa: E731
+    assert total("selfdraft_requests_total") >= 1 and total("selfdraft_output_tokens_total") >= 20
+    assert samples["selfdraft_spec_tau"][0].value >= 1.0
+    assert {s.labels["position"] for s in samples["selfdraft_spec_acceptance_rate"]} >= {"1"}
+    for name in ("selfdraft_verify_tokens_per_step_count", "selfdraft_time_to_first_token_seconds_count",
+                 "selfdraft_request_latency_seconds_bucket", "selfdraft_queue_depth", "selfdraft_running_requests"):
+        assert name in samples, name
+    assert total("selfdraft_time_to_first_token_seconds_count") >= 1
+
+
+BAD = [
+    ("malformed JSON", b'{"model": "tiny", "prompt": ', 400, None),
+    ("unknown model", {"model": "gpt-9", "prompt": "hi"}, 404, "model"),
+    ("max_tokens 0", {"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens beyond context", {"model": "tiny", "prompt": "hi", "max_tokens": 1000}, 400, "max_tokens"),
+    ("temperature too high", {"model": "tiny", "prompt": "hi", "temperature": 2.5}, 400, "temperature"),
+    ("negative temperature", {"model": "tiny", "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("temperature not a number", {"model": "tiny", "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("top_p 0", {"model": "tiny", "prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("top_p above 1", {"model": "tiny", "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("n 2", {"model": "tiny", "prompt": "hi", "n": 2}, 400, "n"),
+    ("prompt too long", {"model": "tiny", "prompt": "x" * 300}, 400, "prompt"),
+    ("empty prompt", {"model": "tiny", "prompt": ""}, 400, "prompt"),
+    ("token id out of vocab", {"model": "tiny", "prompt": [5, 100000]}, 400, "prompt"),
+    ("no prompt", {"model": "tiny"}, 400, "prompt"),
+    ("not an object", [1, 2], 400, None),
+]
+
+
+@pytest.mark.parametrize("case,body,status,param", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_openai_error_and_server_survives(servers, case, body, status, param):
+    s = servers["none"]
+    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(f"{s.url}/v1/completions", **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"] and err["param"] == param
+    assert httpx.get(f"{s.url}/health").status_code == 200
+
+
+def test_openai_client_raises_typed_errors_and_server_answers_after(servers):
+    c = servers["none"].client()
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=0)
+    with pytest.raises(openai.BadRequestError, match="context") as e:
+        c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "y" * 300}])
+    assert e.value.param == "messages" and e.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model="tiny", messages=[])
+    with pytest.raises(openai.BadRequestError, match="role"):
+        c.chat.completions.create(model="tiny", messages=[{"role": "wizard", "content": "hi"}])
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="nope", prompt="hi")
+    with pytest.raises(openai.BadRequestError, match="stream"):
+        c.completions.create(model="tiny", prompt="hi", stream="yes please")
+    ok = c.completions.create(model="tiny", prompt="hi", max_tokens=3, temperature=0)
+    assert ok.usage.completion_tokens == 3 and not servers["none"].runner.in_flight
+
+
+def test_too_many_concurrent_requests_get_429(slow):
+    c = slow.client()
+    streams = [c.completions.create(model="tiny", prompt="hi", max_tokens=200, temperature=0, stream=True)
+               for _ in range(2)]  # admitted once the headers are back; limit 2: one decoding, one queued (max_batch 1)
+    assert slow.runner.in_flight == 2
+    with pytest.raises(openai.RateLimitError) as e:
+        c.completions.create(model="tiny", prompt="hi", max_tokens=5)
+    assert e.value.status_code == 429 and e.value.body["code"] == "too_many_requests"
+    for st in streams:
+        st.close()
+    assert wait_until(lambda: slow.runner.in_flight == 0)
+    assert c.completions.create(model="tiny", prompt="hi", max_tokens=2, temperature=0).usage.completion_tokens == 2
+
+
+def test_client_disconnect_mid_stream_frees_the_slot(slow):
+    st = slow.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=200, temperature=0, stream=True)
+    it = iter(st)
+    next(it), next(it)
+    assert slow.runner.engine.active
+    st.close()
+    assert wait_until(lambda: not slow.runner.engine.active and slow.runner.in_flight == 0)
+    samples = {s.name + str(s.labels): s.value for f in text_string_to_metric_families(httpx.get(f"{slow.url}/metrics").text)
+               for s in f.samples}
+    assert samples["selfdraft_requests_total{'endpoint': 'chat', 'finish_reason': 'cancelled'}"] == 1
+
+
+def test_graceful_shutdown_finishes_in_flight_stream(slow):
+    st = slow.client().completions.create(model="tiny", prompt="hi", max_tokens=25, temperature=0, stream=True)
+    it = iter(st)
+    first = next(it)
+    slow.server.should_exit = True  # what SIGINT/SIGTERM does
+    rest = list(it)
+    chunks = [first, *rest]
+    assert chunks[-1].choices[0].finish_reason == "length"
+    slow.thread.join(timeout=20)
+    assert not slow.thread.is_alive() and not slow.runner._thread.is_alive()
+    assert slow.runner.in_flight == 0
