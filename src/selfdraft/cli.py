@@ -538,5 +538,54 @@ def calibrate_cmd(
     print(f"-> {drafter}/calibration.json, {drafter}/calibration/reliability_k*.png", file=sys.stderr)
 
 
+# ---------------------------------------------------------------- serve (OpenAI-compatible HTTP server)
+@app.command("serve")
+def serve_cmd(
+    target: Optional[str] = TargetOpt,
+    drafter: str = typer.Option("ngram", "--drafter", "-d", help="registry name (none, ngram) or a checkpoint dir"),
+    scheduler: str = typer.Option("fixed", "--scheduler", help="fixed | threshold | hardware (needs `selfdraft profile`)"),
+    threshold: float = typer.Option(0.5, "--threshold", help="a_j threshold of the threshold scheduler"),
+    host: str = typer.Option("127.0.0.1", "--host", help="bind address (loopback by default)"),
+    port: int = typer.Option(8000, "--port"),
+    max_concurrency: int = typer.Option(16, "--max-concurrency", help="requests in flight (running + queued); more get 429"),
+    max_batch: Optional[int] = typer.Option(None, "--max-batch", help="requests decoded together (default: --max-concurrency)"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SELFDRAFT_API_KEY", help="require 'Authorization: Bearer KEY'"),
+    model_name: Optional[str] = typer.Option(None, "--model-name", help="the `model` clients send (default: the target's name)"),
+    gamma: int = typer.Option(7, "--gamma", help="draft tokens per round (γ)"),
+    shutdown_grace: float = typer.Option(10.0, "--shutdown-grace", help="seconds in-flight requests get to finish on SIGINT/SIGTERM"),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: torch's)"),
+    dtype: str = DtypeOpt,
+    log_level: str = typer.Option("info", "--log-level"),
+) -> None:
+    """Serve the OpenAI API (/v1/completions, /v1/chat/completions, streaming) on the batched speculative engine."""
+    import torch
+
+    from selfdraft.engine import drafter_factory
+    from selfdraft.profile import load_cost_table
+    from selfdraft.scheduler import Scheduler
+    from selfdraft.serve import EngineLoop, ServerMetrics, create_app, run_server
+    from selfdraft.target import Target, TargetError
+
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        if max_concurrency < 1 or (max_batch is not None and max_batch < 1):
+            raise ConfigError("--max-concurrency and --max-batch must be >= 1")
+        GenerationConfig(gamma=gamma)  # validates gamma
+        tgt = Target.load(target, dtype=dtype)
+        sched = Scheduler(scheduler, threshold=threshold,
+                          cost=load_cost_table(tgt, dtype) if scheduler == "hardware" else None)
+        make = drafter_factory(drafter, tgt)
+        name = model_name or Path(tgt.name).name
+        runner = EngineLoop(tgt, make, make().name, sched, max_batch or max_concurrency, max_concurrency,
+                            ServerMetrics(gamma))
+    except (ConfigError, TargetError, OSError) as e:
+        _fail(str(e))
+    print(f"serving {name!r} with drafter {runner.drafter_name} ({drafter}), scheduler {scheduler}, on "
+          f"http://{host}:{port}/v1{' (API key required)' if api_key else ''}", file=sys.stderr)
+    run_server(create_app(runner, name, api_key, gamma=gamma, shutdown_grace_s=shutdown_grace), host, port,
+               shutdown_grace, log_level)
+
+
 if __name__ == "__main__":
     app()

@@ -167,13 +167,15 @@ def create_app(runner: EngineLoop, model_name: str, api_key: str | None = None, 
             while True:
                 if request is None:
                     d = await handle.queue.get()
-                else:
+                else:  # one pending get() across polls, so no Delta can be lost to a timeout
+                    get = asyncio.ensure_future(handle.queue.get())
                     try:
-                        d = await asyncio.wait_for(handle.queue.get(), DISCONNECT_POLL_S)
-                    except asyncio.TimeoutError:
-                        if await request.is_disconnected():
-                            return
-                        continue
+                        while not (await asyncio.wait({get}, timeout=DISCONNECT_POLL_S))[0]:
+                            if await request.is_disconnected():
+                                return
+                    finally:
+                        get.cancel()  # no-op once done
+                    d = get.result()
                 handle.done = d.finished
                 yield d
                 if d.finished:

@@ -1,0 +1,183 @@
+"""Bounded load run against a running `selfdraft serve` (loopback), with the official openai client.
+
+N concurrent streaming clients share M greedy chat requests (prompts from the bundled sets, first
+turns). Measures failed requests, time to first token (client side: first non-empty text), per-user
+tokens/s and aggregate tokens/s; with --check, also sends each prompt once more non-streamed and
+compares: streamed text concatenated == non-streamed text and equal completion token counts (no
+token lost or duplicated on the way). Server-side τ and verify tokens per step come from /metrics.
+
+    python scripts/load_serve.py --url http://127.0.0.1:8000 --clients 16 --requests 32 --max-tokens 48 \
+        --check --out runs/serve/dspark.json
+
+Deliberately light: no torch import, so the client does not compete with the server for the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+PROMPTS_DIR = Path(__file__).resolve().parents[1] / "src" / "selfdraft" / "bench" / "prompts"
+
+
+@dataclass
+class Sample:
+    index: int
+    prompt: int  # index into the prompt list
+    ok: bool
+    error: str = ""
+    text: str = ""
+    chunks: int = 0
+    completion_tokens: int = 0
+    finish_reason: str = ""
+    start: float = 0.0
+    first: float = 0.0  # first non-empty text chunk
+    end: float = 0.0
+
+
+def load_prompts(names: str, per_set: int) -> list[str]:
+    out = []
+    for name in names.split(","):
+        lines = (PROMPTS_DIR / f"{name.strip()}.jsonl").read_text().splitlines()
+        out += [json.loads(x)["turns"][0] for x in lines if x.strip()][:per_set]
+    return out
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Sum of each sample of /metrics by name (labels summed)."""
+    flat: dict[str, float] = {}
+    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        for s in fam.samples:
+            flat[s.name] = flat.get(s.name, 0.0) + s.value
+    return flat
+
+
+async def one(client, model, i, p, prompt, max_tokens, stream: bool) -> Sample:
+    s = Sample(i, p, False, start=time.perf_counter())
+    msgs = [{"role": "user", "content": prompt}]
+    try:
+        if stream:
+            resp = await client.chat.completions.create(model=model, messages=msgs, max_tokens=max_tokens, temperature=0,
+                                                        stream=True, stream_options={"include_usage": True})
+            parts = []
+            async for ch in resp:
+                if ch.usage is not None:
+                    s.completion_tokens = ch.usage.completion_tokens
+                if not ch.choices:
+                    continue
+                piece = ch.choices[0].delta.content or ""
+                if piece and not s.first:
+                    s.first = time.perf_counter()
+                parts.append(piece)
+                s.chunks += 1
+                s.finish_reason = ch.choices[0].finish_reason or s.finish_reason
+            s.text = "".join(parts)
+        else:
+            resp = await client.chat.completions.create(model=model, messages=msgs, max_tokens=max_tokens, temperature=0)
+            s.text, s.finish_reason = resp.choices[0].message.content, resp.choices[0].finish_reason
+            s.completion_tokens, s.first = resp.usage.completion_tokens, time.perf_counter()
+        s.ok = s.finish_reason in ("stop", "length") and s.completion_tokens > 0
+        s.error = "" if s.ok else f"finish_reason={s.finish_reason!r}, completion_tokens={s.completion_tokens}"
+    except Exception as e:  # every failure is counted, none aborts the run
+        s.error = f"{type(e).__name__}: {e}"
+    s.end = time.perf_counter()
+    return s
+
+
+async def run_phase(client, model, prompts, requests, clients, max_tokens, stream) -> tuple[list[Sample], float]:
+    todo: asyncio.Queue = asyncio.Queue()
+    for i in range(requests):
+        todo.put_nowait(i)
+    done: list[Sample] = []
+
+    async def worker():
+        while not todo.empty():
+            i = todo.get_nowait()
+            done.append(await one(client, model, i, i % len(prompts), prompts[i % len(prompts)], max_tokens, stream))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(clients)))
+    return sorted(done, key=lambda s: s.index), time.perf_counter() - t0
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap.add_argument("--api-key", default="none")
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--prompts", default="mt-bench,humaneval,gsm8k", help="bundled prompt sets (first turns)")
+    ap.add_argument("--per-set", type=int, default=6, help="prompts taken from each set")
+    ap.add_argument("--check", action="store_true", help="then send each prompt non-streamed and compare")
+    ap.add_argument("--out", type=Path, default=None, help="write all samples and the summary as JSON")
+    a = ap.parse_args()
+
+    client = openai.AsyncOpenAI(base_url=f"{a.url}/v1", api_key=a.api_key, max_retries=0, timeout=600,
+                                http_client=openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=a.clients + 4)))
+    model = (await client.models.list()).data[0].id
+    health = httpx.get(f"{a.url}/health", timeout=30).json()
+    prompts = load_prompts(a.prompts, a.per_set)
+    await one(client, model, -1, 0, "Hi", 4, True)  # warm-up, not counted
+    before = scrape(a.url)
+    samples, wall = await run_phase(client, model, prompts, a.requests, a.clients, a.max_tokens, stream=True)
+    after = scrape(a.url)
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+
+    ok = [s for s in samples if s.ok]
+    ttft = [s.first - s.start for s in ok if s.first]
+    per_user = [(s.completion_tokens - 1) / (s.end - s.first) for s in ok if s.first and s.end > s.first]
+    per_user_e2e = [s.completion_tokens / (s.end - s.start) for s in ok]
+    summary = {
+        "drafter": health.get("drafter"), "model": model, "clients": a.clients, "requests": a.requests,
+        "max_tokens": a.max_tokens, "failed": len(samples) - len(ok),
+        "errors": sorted({s.error for s in samples if not s.ok}),
+        "output_tokens": sum(s.completion_tokens for s in ok), "wall_s": wall,
+        "aggregate_tok_s": sum(s.completion_tokens for s in ok) / wall,
+        "ttft_median_s": statistics.median(ttft) if ttft else None, "ttft_p90_s": pct(ttft, 0.9),
+        "per_user_tok_s_median": statistics.median(per_user) if per_user else None,
+        "per_user_e2e_tok_s_median": statistics.median(per_user_e2e) if per_user_e2e else None,
+        "finish_reasons": {r: sum(s.finish_reason == r for s in ok) for r in ("length", "stop")},
+        "server_tau": d.get("selfdraft_spec_round_tokens_total", 0) / max(1.0, d.get("selfdraft_spec_rounds_total", 0)),
+        "server_acceptance": d.get("selfdraft_spec_accepted_tokens_total", 0) / max(1.0, d.get("selfdraft_spec_draft_tokens_total", 0)),
+        "server_verify_tokens_per_step": d.get("selfdraft_verify_tokens_per_step_sum", 0) / max(1.0, d.get("selfdraft_verify_tokens_per_step_count", 0)),
+        "server_requests_per_step": d.get("selfdraft_batch_requests_per_step_sum", 0) / max(1.0, d.get("selfdraft_batch_requests_per_step_count", 0)),
+        "server_steps": d.get("selfdraft_step_seconds_count", 0),
+    }
+    # Token accounting from the stream itself: every request ends with a finish reason and a usage
+    # count; a length-finished one must have exactly max_tokens.
+    summary["bad_counts"] = sum(1 for s in ok if s.finish_reason == "length" and s.completion_tokens != a.max_tokens)
+    if a.check:
+        refs, ref_wall = await run_phase(client, model, prompts, len(prompts), a.clients, a.max_tokens, stream=False)
+        by_prompt = {r.prompt: r for r in refs if r.ok}
+        mismatch = []
+        for s in ok:
+            r = by_prompt.get(s.prompt)
+            if r is None or r.text != s.text or r.completion_tokens != s.completion_tokens:
+                at = next((k for k, (x, y) in enumerate(zip(s.text, r.text if r else "")) if x != y), None)
+                mismatch.append({"request": s.index, "prompt": s.prompt, "first_diff_char": at,
+                                 "tokens": [s.completion_tokens, r.completion_tokens if r else None]})
+        summary.update(check_references=len(by_prompt), check_failed=len(refs) - len(by_prompt),
+                       stream_vs_nonstream_mismatches=mismatch, check_wall_s=ref_wall)
+    print(json.dumps(summary, indent=2))
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps({"summary": summary, "samples": [asdict(s) for s in samples]}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
