@@ -2,9 +2,10 @@
 
 N concurrent streaming clients share M greedy chat requests (prompts from the bundled sets, first
 turns). Measures failed requests, time to first token (client side: first non-empty text), per-user
-tokens/s and aggregate tokens/s; with --check, also sends each prompt once more non-streamed and
-compares: streamed text concatenated == non-streamed text and equal completion token counts (no
-token lost or duplicated on the way). Server-side τ and verify tokens per step come from /metrics.
+tokens/s and aggregate tokens/s. With --check, the streams also carry the generated token ids (the
+`return_token_ids` extension): they must number usage.completion_tokens and decode to exactly the
+streamed text (no token lost or duplicated on the way); then each prompt is sent once more,
+non-streamed, and compared token for token. Server-side τ and verify tokens per step: /metrics.
 
     python scripts/load_serve.py --url http://127.0.0.1:8000 --clients 16 --requests 32 --max-tokens 48 \
         --check --out runs/serve/dspark.json
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -24,6 +26,8 @@ from pathlib import Path
 
 import httpx
 import openai
+import platformdirs
+from tokenizers import Tokenizer
 from prometheus_client.parser import text_string_to_metric_families
 
 PROMPTS_DIR = Path(__file__).resolve().parents[1] / "src" / "selfdraft" / "bench" / "prompts"
@@ -36,6 +40,7 @@ class Sample:
     ok: bool
     error: str = ""
     text: str = ""
+    token_ids: list[int] | None = None  # with --check: the `return_token_ids` extension
     chunks: int = 0
     completion_tokens: int = 0
     finish_reason: str = ""
@@ -52,6 +57,11 @@ def load_prompts(names: str, per_set: int) -> list[str]:
     return out
 
 
+def default_tokenizer() -> Path:
+    root = os.environ.get("SELFDRAFT_CACHE") or platformdirs.user_cache_dir("selfdraft")
+    return Path(root) / "targets" / "smollm2-135m-instruct" / "tokenizer.json"
+
+
 def scrape(url: str) -> dict[str, float]:
     """Sum of each sample of /metrics by name (labels summed)."""
     flat: dict[str, float] = {}
@@ -61,14 +71,16 @@ def scrape(url: str) -> dict[str, float]:
     return flat
 
 
-async def one(client, model, i, p, prompt, max_tokens, stream: bool) -> Sample:
+async def one(client, model, i, p, prompt, max_tokens, stream: bool, ids: bool) -> Sample:
     s = Sample(i, p, False, start=time.perf_counter())
     msgs = [{"role": "user", "content": prompt}]
+    extra = {"return_token_ids": True} if ids else None
     try:
         if stream:
             resp = await client.chat.completions.create(model=model, messages=msgs, max_tokens=max_tokens, temperature=0,
-                                                        stream=True, stream_options={"include_usage": True})
-            parts = []
+                                                        stream=True, stream_options={"include_usage": True},
+                                                        extra_body=extra)
+            parts, s.token_ids = [], [] if ids else None
             async for ch in resp:
                 if ch.usage is not None:
                     s.completion_tokens = ch.usage.completion_tokens
@@ -78,12 +90,16 @@ async def one(client, model, i, p, prompt, max_tokens, stream: bool) -> Sample:
                 if piece and not s.first:
                     s.first = time.perf_counter()
                 parts.append(piece)
+                if ids:
+                    s.token_ids += ch.choices[0].model_extra.get("token_ids") or []
                 s.chunks += 1
                 s.finish_reason = ch.choices[0].finish_reason or s.finish_reason
             s.text = "".join(parts)
         else:
-            resp = await client.chat.completions.create(model=model, messages=msgs, max_tokens=max_tokens, temperature=0)
+            resp = await client.chat.completions.create(model=model, messages=msgs, max_tokens=max_tokens, temperature=0,
+                                                        extra_body=extra)
             s.text, s.finish_reason = resp.choices[0].message.content, resp.choices[0].finish_reason
+            s.token_ids = resp.choices[0].model_extra.get("token_ids") if ids else None
             s.completion_tokens, s.first = resp.usage.completion_tokens, time.perf_counter()
         s.ok = s.finish_reason in ("stop", "length") and s.completion_tokens > 0
         s.error = "" if s.ok else f"finish_reason={s.finish_reason!r}, completion_tokens={s.completion_tokens}"
@@ -93,7 +109,7 @@ async def one(client, model, i, p, prompt, max_tokens, stream: bool) -> Sample:
     return s
 
 
-async def run_phase(client, model, prompts, requests, clients, max_tokens, stream) -> tuple[list[Sample], float]:
+async def run_phase(client, model, prompts, requests, clients, max_tokens, stream, ids) -> tuple[list[Sample], float]:
     todo: asyncio.Queue = asyncio.Queue()
     for i in range(requests):
         todo.put_nowait(i)
@@ -102,7 +118,7 @@ async def run_phase(client, model, prompts, requests, clients, max_tokens, strea
     async def worker():
         while not todo.empty():
             i = todo.get_nowait()
-            done.append(await one(client, model, i, i % len(prompts), prompts[i % len(prompts)], max_tokens, stream))
+            done.append(await one(client, model, i, i % len(prompts), prompts[i % len(prompts)], max_tokens, stream, ids))
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(clients)))
@@ -124,6 +140,7 @@ async def main() -> None:
     ap.add_argument("--prompts", default="mt-bench,humaneval,gsm8k", help="bundled prompt sets (first turns)")
     ap.add_argument("--per-set", type=int, default=6, help="prompts taken from each set")
     ap.add_argument("--check", action="store_true", help="then send each prompt non-streamed and compare")
+    ap.add_argument("--tokenizer", type=Path, default=default_tokenizer(), help="tokenizer.json of the target (--check)")
     ap.add_argument("--out", type=Path, default=None, help="write all samples and the summary as JSON")
     a = ap.parse_args()
 
@@ -132,9 +149,9 @@ async def main() -> None:
     model = (await client.models.list()).data[0].id
     health = httpx.get(f"{a.url}/health", timeout=30).json()
     prompts = load_prompts(a.prompts, a.per_set)
-    await one(client, model, -1, 0, "Hi", 4, True)  # warm-up, not counted
+    await one(client, model, -1, 0, "Hi", 4, True, False)  # warm-up, not counted
     before = scrape(a.url)
-    samples, wall = await run_phase(client, model, prompts, a.requests, a.clients, a.max_tokens, stream=True)
+    samples, wall = await run_phase(client, model, prompts, a.requests, a.clients, a.max_tokens, True, a.check)
     after = scrape(a.url)
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
 
@@ -162,17 +179,25 @@ async def main() -> None:
     # count; a length-finished one must have exactly max_tokens.
     summary["bad_counts"] = sum(1 for s in ok if s.finish_reason == "length" and s.completion_tokens != a.max_tokens)
     if a.check:
-        refs, ref_wall = await run_phase(client, model, prompts, len(prompts), a.clients, a.max_tokens, stream=False)
+        # 1. Lost / duplicated tokens: the ids streamed with the text number usage.completion_tokens and
+        #    decode (the target's own tokenizer, here in the client) to exactly the streamed text.
+        tok = Tokenizer.from_file(str(a.tokenizer))
+        lost_dup = [s.index for s in ok if s.token_ids is None or len(s.token_ids) != s.completion_tokens
+                    or tok.decode(s.token_ids, skip_special_tokens=True) != s.text]
+        # 2. The same prompts non-streamed (other batch compositions): token-for-token equality is
+        #    exact in float32; in bf16 a batch-shape-dependent rounding can flip a near-tie.
+        refs, ref_wall = await run_phase(client, model, prompts, len(prompts), a.clients, a.max_tokens, False, True)
         by_prompt = {r.prompt: r for r in refs if r.ok}
         mismatch = []
         for s in ok:
             r = by_prompt.get(s.prompt)
-            if r is None or r.text != s.text or r.completion_tokens != s.completion_tokens:
-                at = next((k for k, (x, y) in enumerate(zip(s.text, r.text if r else "")) if x != y), None)
-                mismatch.append({"request": s.index, "prompt": s.prompt, "first_diff_char": at,
-                                 "tokens": [s.completion_tokens, r.completion_tokens if r else None]})
-        summary.update(check_references=len(by_prompt), check_failed=len(refs) - len(by_prompt),
-                       stream_vs_nonstream_mismatches=mismatch, check_wall_s=ref_wall)
+            if r is None or r.token_ids != s.token_ids or r.text != s.text:
+                ref = (r.token_ids or []) if r else []
+                at = next((k for k, (x, y) in enumerate(zip(s.token_ids or [], ref)) if x != y), None)
+                mismatch.append({"request": s.index, "prompt": s.prompt, "first_diff_token": at})
+        summary.update(token_accounting_failures=lost_dup, check_references=len(by_prompt),
+                       check_failed=len(refs) - len(by_prompt), stream_vs_nonstream_mismatches=mismatch,
+                       check_wall_s=ref_wall)
     print(json.dumps(summary, indent=2))
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)

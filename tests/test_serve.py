@@ -236,6 +236,19 @@ def test_streaming_concatenation_equals_non_streamed(srv):
     assert len(chunks) > 3  # text arrives step by step
 
 
+def test_token_ids_extension_accounts_for_every_token(srv, target):
+    """`return_token_ids`: the streamed ids, concatenated, are the non-streamed ids, decode to the
+    streamed text and number usage.completion_tokens (nothing lost or duplicated on the way)."""
+    c, extra = srv.client(), {"return_token_ids": True}
+    whole = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0, extra_body=extra)
+    text, chunks = stream_text(c.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0,
+                                                    stream=True, stream_options={"include_usage": True},
+                                                    extra_body=extra))
+    ids = [t for ch in chunks if ch.choices for t in (ch.choices[0].model_extra.get("token_ids") or [])]
+    assert ids == whole.choices[0].model_extra["token_ids"] and len(ids) == chunks[-1].usage.completion_tokens == 40
+    assert target.decode(ids) == text == whole.choices[0].text
+
+
 def test_stop_strings(srv):
     c = srv.client()
     full = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=60, temperature=0).choices[0].text
@@ -370,3 +383,50 @@ def test_graceful_shutdown_finishes_in_flight_stream(slow):
     slow.thread.join(timeout=20)
     assert not slow.thread.is_alive() and not slow.runner._thread.is_alive()
     assert slow.runner.in_flight == 0
+
+
+def test_shutdown_past_the_grace_period_cancels_in_flight_requests(target):
+    s = start_server(target, lambda: SlowNone(), "slow", api_key=None, grace=0.5)
+    st = s.client().completions.create(model="tiny", prompt="hi", max_tokens=200, temperature=0, stream=True)
+    it = iter(st)
+    next(it)
+    s.server.should_exit = True
+    try:  # the connection is closed mid-stream: the client sees a truncated stream or an error
+        chunks = list(it)
+        assert not chunks or chunks[-1].choices[0].finish_reason != "length"
+    except (openai.APIError, httpx.HTTPError):
+        pass
+    s.thread.join(timeout=20)
+    assert not s.thread.is_alive() and not s.runner._thread.is_alive() and s.runner.in_flight == 0
+    cancelled = [x for f in text_string_to_metric_families(s.runner.metrics.render().decode()) for x in f.samples
+                 if x.name == "selfdraft_requests_total" and x.labels["finish_reason"] == "cancelled"]
+    assert sum(x.value for x in cancelled) == 1
+
+
+class Boom(Drafter):
+    """Raises inside the engine step whenever the context holds token `bang` (a stand-in for a bug)."""
+
+    name = "boom"
+
+    def __init__(self, bang: int) -> None:
+        self.bang = bang
+
+    def propose(self, tokens, gamma, params, generator) -> Proposal:
+        if self.bang in tokens:
+            raise RuntimeError("drafter exploded")
+        return Proposal.empty()
+
+
+def test_engine_failure_fails_the_request_not_the_server(target):
+    bang = target.tokenizer.convert_tokens_to_ids("!")
+    s = start_server(target, lambda: Boom(bang), "boom", api_key=None)
+    try:
+        c = s.client()
+        with pytest.raises(openai.InternalServerError, match="drafter exploded"):
+            c.completions.create(model="tiny", prompt="boom!", max_tokens=5)
+        with pytest.raises(openai.APIError, match="drafter exploded"):
+            list(c.completions.create(model="tiny", prompt="boom!", max_tokens=5, stream=True))
+        ok = c.completions.create(model="tiny", prompt="fine", max_tokens=5, temperature=0)
+        assert ok.usage.completion_tokens == 5 and s.runner.in_flight == 0
+    finally:
+        s.stop()

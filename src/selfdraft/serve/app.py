@@ -116,14 +116,15 @@ def create_app(runner: EngineLoop, model_name: str, api_key: str | None = None, 
         handle = submit(spec)
         rid, include_usage = f"cmpl-{uuid.uuid4().hex}", bool(req.stream_options and req.stream_options.include_usage)
 
-        def chunk(text: str, finish: str | None) -> dict:
+        def chunk(text: str, finish: str | None, ids: list[int] | None = None) -> dict:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
             return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
-                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+                    "choices": [with_ids(choice, ids, req)]}
 
         if req.stream:
-            return sse(handle, lambda: None, chunk, rid, "text_completion", include_usage)
-        text, last = await collect(handle, request)
-        body = chunk(text, last.finish_reason)
+            return sse(handle, lambda: None, chunk, rid, "text_completion", include_usage, wants_ids(req))
+        text, ids, last = await collect(handle, request)
+        body = chunk(text, last.finish_reason, ids)
         body["usage"] = usage(last)
         return body
 
@@ -136,20 +137,31 @@ def create_app(runner: EngineLoop, model_name: str, api_key: str | None = None, 
         handle = submit(spec)
         rid, include_usage = f"chatcmpl-{uuid.uuid4().hex}", bool(req.stream_options and req.stream_options.include_usage)
 
-        def chunk(text: str, finish: str | None, role: bool = False) -> dict:
+        def chunk(text: str, finish: str | None, ids: list[int] | None = None, role: bool = False) -> dict:
             delta = ({"role": "assistant", "content": text} if role else {"content": text}) if finish is None else {}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
             return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model_name,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+                    "choices": [with_ids(choice, ids, req)]}
 
         if req.stream:
-            return sse(handle, lambda: chunk("", None, role=True), chunk, rid, "chat.completion.chunk", include_usage)
-        text, last = await collect(handle, request)
+            return sse(handle, lambda: chunk("", None, role=True), chunk, rid, "chat.completion.chunk", include_usage,
+                       wants_ids(req))
+        text, ids, last = await collect(handle, request)
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": last.finish_reason}
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                             "finish_reason": last.finish_reason}],
-                "usage": usage(last)}
+                "choices": [with_ids(choice, ids, req)], "usage": usage(last)}
 
     # ------------------------------------------------------------ request plumbing
+    def wants_ids(req) -> bool:
+        """Extension (as in vLLM): `"return_token_ids": true` adds each choice's generated token ids."""
+        return bool((req.model_extra or {}).get("return_token_ids"))
+
+    def with_ids(choice: dict, ids: list[int] | None, req) -> dict:
+        if ids is not None and wants_ids(req):
+            choice["token_ids"] = ids
+        return choice
+
     def usage(last: Delta) -> dict:
         return {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
                 "total_tokens": last.prompt_tokens + last.completion_tokens,
@@ -183,18 +195,19 @@ def create_app(runner: EngineLoop, model_name: str, api_key: str | None = None, 
         finally:
             runner.cancel(handle)  # no-op once done
 
-    async def collect(handle: Handle, request: Request) -> tuple[str, Delta]:
-        parts, last = [], None
+    async def collect(handle: Handle, request: Request) -> tuple[str, list[int], Delta]:
+        parts, ids, last = [], [], None
         async for d in deltas(handle, request):
             parts.append(d.text)
+            ids += d.token_ids
             last = d
         if last is None:  # the client left; nobody reads this response
             raise OpenAIError(499, "client disconnected", "invalid_request_error")
         if last.finish_reason in ("error", "cancelled"):
             raise failure(last)
-        return "".join(parts), last
+        return "".join(parts), ids, last
 
-    def sse(handle: Handle, first, chunk, rid: str, obj: str, include_usage: bool) -> StreamingResponse:
+    def sse(handle: Handle, first, chunk, rid: str, obj: str, include_usage: bool, ids: bool) -> StreamingResponse:
         def event(payload: dict) -> str:
             return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
@@ -203,13 +216,11 @@ def create_app(runner: EngineLoop, model_name: str, api_key: str | None = None, 
             if head is not None:
                 yield event(head)
             async for d in deltas(handle, None):
+                if d.text or (ids and d.token_ids):
+                    yield event(chunk(d.text, None, d.token_ids))
                 if d.finished and d.finish_reason in ("error", "cancelled"):
-                    if d.text:
-                        yield event(chunk(d.text, None))
                     yield event(failure(d).body())
                     break
-                if d.text:
-                    yield event(chunk(d.text, None))
                 if d.finished:
                     yield event(chunk("", d.finish_reason))
                     if include_usage:

@@ -79,6 +79,7 @@ class Delta:
     """New text of one request. The last one has `finished` set, the finish reason and the counts."""
 
     text: str
+    token_ids: list[int] = field(default_factory=list)  # tokens committed since the last Delta (text may lag)
     finished: bool = False
     finish_reason: str | None = None  # stop | length | cancelled | error
     prompt_tokens: int = 0
@@ -216,7 +217,7 @@ class EngineLoop:
         try:
             rid = self.engine.add_request(h.spec.prompt_ids, self.make_drafter(), h.spec.params, h.spec.config)
         except Exception as e:  # validated upstream; still never let one request kill the loop
-            self._post(h, Delta("", True, "error", error=str(e)))
+            self._post(h, Delta("", finished=True, finish_reason="error", error=str(e)))
             return
         self._live[rid] = _Live(h, rid, TextStream(self.target.decode, h.spec.stop))
         self.metrics.prompt_tokens.inc(len(h.spec.prompt_ids))
@@ -242,30 +243,32 @@ class EngineLoop:
                 live.first_token_at = now
                 self.metrics.ttft.observe(now - live.handle.arrival)
             self.metrics.output_tokens.inc(len(o.new_tokens))
-            text = []
+            text, ids = [], []
             for t in o.new_tokens:
-                live.tokens += 1
+                ids.append(t)
                 text.append(live.text.push(t))
                 if live.text.stopped:
                     break
+            live.tokens += len(ids)
             if live.text.stopped:
                 if not o.finished:
                     self.engine.cancel(o.request_id)  # free the slot before the next step
-                self._finish(live, "stop", "".join(text))
+                self._finish(live, "stop", "".join(text), ids)
             elif o.finished:
                 text.append(live.text.flush())
-                self._finish(live, "stop" if o.finish_reason == "eos" else "length", "".join(text))
-            elif any(text):
-                self._post(live.handle, Delta("".join(text)))
+                self._finish(live, "stop" if o.finish_reason == "eos" else "length", "".join(text), ids)
+            elif ids:
+                self._post(live.handle, Delta("".join(text), ids))
         self._update_gauges()
 
-    def _finish(self, live: _Live, reason: str, text: str = "", error: str | None = None) -> None:
+    def _finish(self, live: _Live, reason: str, text: str = "", ids: list[int] | None = None,
+                error: str | None = None) -> None:
         del self._live[live.engine_id]
         self.engine.results.pop(live.engine_id, None)  # the engine keeps results; a server must not
         h = live.handle
         self.metrics.requests.labels(h.spec.endpoint, reason).inc()
         self.metrics.latency.observe(time.perf_counter() - h.arrival)
-        self._post(h, Delta(text, True, reason, len(h.spec.prompt_ids), live.tokens, live.spec, error))
+        self._post(h, Delta(text, ids or [], True, reason, len(h.spec.prompt_ids), live.tokens, live.spec, error))
 
     def _fail_all(self, message: str, reason: str = "error") -> None:
         for live in list(self._live.values()):
@@ -277,7 +280,7 @@ class EngineLoop:
             except queue.Empty:
                 break
             if cmd == "add":
-                self._post(h, Delta("", True, reason, error=message))
+                self._post(h, Delta("", finished=True, finish_reason=reason, error=message))
         self._update_gauges()
 
     def _post(self, h: Handle, delta: Delta) -> None:
