@@ -430,3 +430,53 @@ def test_engine_failure_fails_the_request_not_the_server(target):
         assert ok.usage.completion_tokens == 5 and s.runner.in_flight == 0
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("args,match", [(["--max-concurrency", "0"], "max-concurrency"),
+                                        (["--scheduler", "psychic"], "scheduler"),
+                                        (["--drafter", "warp-drive"], "unknown drafter")])
+def test_serve_command_reports_bad_options_without_traceback(model_dir, args, match):
+    res = CliRunner().invoke(cli_app, ["serve", "--target", str(model_dir), "--dtype", "float32", *args])
+    assert res.exit_code == 2 and "Traceback" not in res.output and match in res.output
+
+
+def test_serve_command_end_to_end_and_sigterm(model_dir):
+    """The real `selfdraft serve` process: answers the openai client, then exits cleanly on SIGTERM."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SELFDRAFT_API_KEY": KEY}
+    proc = subprocess.Popen([sys.executable, "-m", "selfdraft", "serve", "--target", str(model_dir), "--dtype", "float32",
+                             "--drafter", "ngram", "--port", str(port), "--threads", "1", "--log-level", "info"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        assert wait_until(lambda: _up(url), timeout=60), "server did not come up"
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+        name = c.models.list().data[0].id
+        assert name == model_dir.name
+        text, _ = stream_text(c.chat.completions.create(model=name, messages=[{"role": "user", "content": PROMPT}],
+                                                        max_tokens=12, temperature=0, stream=True))
+        assert text
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+        # uvicorn shuts down gracefully (lifespan: engine thread joined), then re-raises the signal
+        assert proc.returncode in (0, -signal.SIGTERM), out
+        assert "Application shutdown complete" in out and "Traceback" not in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
