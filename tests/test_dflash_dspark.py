@@ -249,3 +249,32 @@ def test_tiny_overfit_drives_loss_down_and_tau_up(target, method):
     assert res.tau > tau0 + 1.0, (tau0, res.tau)
     plain = generate(target, REGISTRY["none"](target), prompt, SamplingParams(), gen)
     assert res.token_ids == plain.token_ids  # still lossless when most drafts are accepted
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_batched_drafting_equals_one_request_at_a_time(target, method):
+    """propose_many (one padded backbone pass for R contexts of different lengths) gives each request
+    the tokens, q and c_k it gets alone, draws the same random numbers, and respects its own γ_r."""
+    from selfdraft.drafters.base import propose_all
+
+    model, cfg = make(method, target, gamma=5, markov_rank=8)
+    prompts = [[5, 17, 3, 42, 8, 8, 61], [1, 2], [9, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39], [4, 4, 4]]
+    params = [SamplingParams(), SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=0.7, top_k=5),
+              SamplingParams()]
+    gammas = [5, 3, 7, 0]
+
+    def drafters():
+        ds = []
+        for p in prompts:
+            d = STRATEGIES[method].drafter(model, cfg, target)
+            d.begin(p[:-1], target.forward(torch.tensor([p[:-1]]), None, FEATS))
+            ds.append(d)
+        return ds
+
+    gens = lambda: [None if p.greedy else torch.Generator().manual_seed(i) for i, p in enumerate(params)]  # noqa: E731
+    alone = [d.propose(p, g, sp, gen) for d, p, g, sp, gen in zip(drafters(), prompts, gammas, params, gens())]
+    together = propose_all(drafters(), prompts, gammas, params, gens())
+    for a, b, g in zip(alone, together, gammas):
+        assert a.tokens.tolist() == b.tokens.tolist() and len(b.tokens) == min(g, 5)
+        for x, y in ((a.q, b.q), (a.confidences, b.confidences)):
+            assert (x is None) == (y is None) and (x is None or torch.allclose(x, y, atol=1e-5))
