@@ -481,9 +481,10 @@ def profile_cmd(
         cfg = GenerationConfig(max_new_tokens=max_new_tokens, gamma=gamma)
         params = SamplingParams(temperature=temperature, seed=0 if temperature > 0 else None)
         print(f"\n{'scheduler':>10} {'R':>3} {'tok/s':>7} {'req tok/s':>9} {'tau':>5}")
-        for kind in [k.strip() for k in schedulers.split(",") if k.strip()]:
-            sched = Scheduler(kind, threshold=threshold, cost=prof.cost_table())
-            for R in _int_list(concurrency, "--concurrency"):
+        kinds = [k.strip() for k in schedulers.split(",") if k.strip()]
+        for R in _int_list(concurrency, "--concurrency"):  # schedulers interleaved: drift hits all alike
+            for kind in kinds:
+                sched = Scheduler(kind, threshold=threshold, cost=prof.cost_table())
                 r = engine_throughput(tgt, make, ids, R, sched, params, cfg)
                 print(f"{kind:>10} {R:>3} {r.tokens_per_s:>7.1f} {r.mean_request_tokens_per_s:>9.2f} {r.tau:>5.2f}", flush=True)
     except (ConfigError, TargetError, OSError) as e:
