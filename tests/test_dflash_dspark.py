@@ -278,3 +278,15 @@ def test_batched_drafting_equals_one_request_at_a_time(target, method):
         assert a.tokens.tolist() == b.tokens.tolist() and len(b.tokens) == min(g, 5)
         for x, y in ((a.q, b.q), (a.confidences, b.confidences)):
             assert (x is None) == (y is None) and (x is None or torch.allclose(x, y, atol=1e-5))
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_init_from_target_copies_the_last_layers(target, method):
+    model, cfg = make(method, target, gamma=4, markov_rank=8, num_layers=2, init_from_target=True)
+    base = target.model.base_model
+    for mine, theirs in zip(model.layers, list(base.layers)[-2:]):
+        for name, w in theirs.state_dict().items():
+            assert torch.equal(mine.state_dict()[name], w.float()), name
+    assert torch.equal(model.norm.weight, base.norm.weight.float())
+    feats = torch.randn(1, 3, len(FEATS), H)
+    assert torch.allclose(model.fc(feats.flatten(2)), feats[:, :, -1])  # the deepest feature layer passes through

@@ -79,6 +79,7 @@ class DrafterConfig:
     anchor_as_first: bool = True  # DSpark layout (γ inputs -> γ drafts); False = DFlash (anchor + γ masks)
     loss_decay: float = 4.0  # position weight w_k = exp(-(k-1)/loss_decay)
     anchors_per_seq: int = 32  # training blocks sampled per sequence (DeepSpec: 512 on long data)
+    init_from_target: bool = False  # DFlash/DSpark: start draft layers from the target's last layers
     # DSpark heads (ignored by dflash)
     markov_rank: int = 64  # r of the Markov head (paper 256; 0 disables the head)
     markov_head: str = "vanilla"  # vanilla | gated | rnn

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from selfdraft.config import DrafterConfig, SamplingParams
+from selfdraft.config import ConfigError, DrafterConfig, SamplingParams
 from selfdraft.drafters.base import Proposal, TrainedDrafter
 from selfdraft.drafters.layers import KV, InjectedDecoderLayer, LayerShape, RMSNorm, Rotary
 from selfdraft.sampling import probs_from_logits, sample
@@ -61,6 +61,26 @@ class DFlashModel(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
+
+    @torch.no_grad()
+    def init_from_target(self, target: Target) -> None:
+        """Warm start (cfg.init_from_target): draft layer i <- the target's layer L - N + i (same
+        parameter names as HF Llama layers), final norm <- the target's; the fusion starts by passing
+        the deepest feature layer through, normed as the first copied layer normed its input."""
+        layers, norm = getattr(target.model.base_model, "layers", None), getattr(target.model.base_model, "norm", None)
+        if layers is None or norm is None or len(layers) < len(self.layers):
+            raise ConfigError("init_from_target needs a Llama-style target (base_model.layers and .norm)")
+        src = list(layers)[-len(self.layers):]
+        for mine, theirs in zip(self.layers, src):
+            try:
+                mine.load_state_dict(theirs.state_dict())
+            except RuntimeError as e:
+                raise ConfigError(f"init_from_target: the target's layers do not match a Llama layer: {e}") from None
+        self.norm.weight.copy_(norm.weight)
+        H = self.norm.weight.shape[0]
+        self.fc.weight.zero_()
+        self.fc.weight[:, -H:] = torch.eye(H)
+        self.context_norm.weight.copy_(src[0].input_layernorm.weight)
 
     def context(self, features: torch.Tensor) -> torch.Tensor:
         """features: [B, T, n_feat, H] target layer outputs -> C: [B, T, H]."""
@@ -106,6 +126,12 @@ def lm_logits(target: Target, h: torch.Tensor) -> torch.Tensor:
     """U = target LM head (frozen, shared) on drafter states: [..., H] -> [..., V] float32."""
     w_dtype = target.model.get_output_embeddings().weight.dtype
     return target.lm_head(h.to(w_dtype)).float()
+
+
+def warm_start(model: "DFlashModel", cfg: DrafterConfig, target: Target) -> "DFlashModel":
+    if cfg.init_from_target:
+        model.init_from_target(target)
+    return model
 
 
 def resolve_feature_layers(cfg: DrafterConfig, target: Target) -> tuple[int, ...]:
@@ -165,7 +191,7 @@ class DFlashStrategy(Strategy):
 
     def build(self, cfg: DrafterConfig, target: Target) -> DFlashModel:
         resolve_feature_layers(cfg, target)
-        return DFlashModel(cfg, LayerShape.from_hf(target.model.config))
+        return warm_start(DFlashModel(cfg, LayerShape.from_hf(target.model.config)), cfg, target)
 
     def loss(self, model, batch: Batch, target: Target, cfg: DrafterConfig, generator) -> LossOutput:
         tf = teacher_forced_blocks(model, batch, target, cfg, generator)

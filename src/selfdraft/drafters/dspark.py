@@ -29,6 +29,7 @@ from selfdraft.drafters.dflash import (
     lm_logits,
     resolve_feature_layers,
     teacher_forced_blocks,
+    warm_start,
 )
 from selfdraft.drafters.layers import LayerShape
 from selfdraft.target import Target
@@ -138,7 +139,7 @@ class DSparkStrategy(DFlashStrategy):
 
     def build(self, cfg: DrafterConfig, target: Target) -> DSparkModel:
         resolve_feature_layers(cfg, target)
-        return DSparkModel(cfg, LayerShape.from_hf(target.model.config), target.vocab_size)
+        return warm_start(DSparkModel(cfg, LayerShape.from_hf(target.model.config), target.vocab_size), cfg, target)
 
     def loss(self, model: DSparkModel, batch: Batch, target: Target, cfg: DrafterConfig, generator) -> LossOutput:
         # 1. Backbone over all blocks; heads teacher forced on ground-truth previous tokens.
