@@ -13,7 +13,9 @@ R = 4: padded [4, 8] 704 ms vs packed [1, 23] 965 ms; R = 16: padded [16, 8] 812
 [1, 67] 913 ms. Packing saves the pad tokens in the linear layers, but with HF's attention it needs
 one cache row holding every request and a block-diagonal mask, so each query attends over R·S
 keys instead of S; padding keeps attention per request and HF's 2D padding masks. Cost: the
-forward carries R·(max ℓ_r + 1) tokens, not the B = Σ(ℓ_r + 1) that Algorithm 1 prices.
+forward carries R·(max ℓ_r + 1) tokens, not Σ(ℓ_r + 1), so the hardware scheduler prices that
+(`scheduler.padded_lengths`). Drafters sharing weights (copies of one DFlash/DSpark checkpoint)
+draft all requests in one batched pass (`Drafter.propose_many`).
 """
 
 from __future__ import annotations
