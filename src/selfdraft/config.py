@@ -76,6 +76,7 @@ class DrafterConfig:
     gamma: int = 7  # block size γ: draft logits per round
     num_layers: int = 1  # draft decoder layers (as wide as the target)
     feature_layers: tuple[int, ...] = ()  # 0-based target layers; () = target.default_feature_layers()
+    qk_norm: bool = False  # per-head RMSNorm on q/k (Qwen3 style): the layer vLLM's DFlash/DSpark/MTP loaders build
     anchor_as_first: bool = True  # DSpark layout (γ inputs -> γ drafts); False = DFlash (anchor + γ masks)
     loss_decay: float = 4.0  # position weight w_k = exp(-(k-1)/loss_decay)
     anchors_per_seq: int = 32  # training blocks sampled per sequence (DeepSpec: 512 on long data)

@@ -138,7 +138,7 @@ class DSparkStrategy(DFlashStrategy):
 
     def build(self, cfg: DrafterConfig, target: Target) -> DSparkModel:
         resolve_feature_layers(cfg, target)
-        return DSparkModel(cfg, LayerShape.from_hf(target.model.config), target.vocab_size)
+        return DSparkModel(cfg, LayerShape.from_hf(target.model.config, cfg.qk_norm), target.vocab_size)
 
     def loss(self, model: DSparkModel, batch: Batch, target: Target, cfg: DrafterConfig, generator) -> LossOutput:
         # 1. Backbone over all blocks; heads teacher forced on ground-truth previous tokens.
