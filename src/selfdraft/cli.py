@@ -332,7 +332,7 @@ def train_cmd(
     mtp_recursive: Optional[bool] = typer.Option(None, "--mtp-recursive/--mtp-stacked", help="MTP: reuse the last module up to γ"),
     lr: Optional[float] = typer.Option(None, "--lr"),
     steps: Optional[int] = typer.Option(None, "--steps", help="optimizer steps (the schedule's length)"),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", "-b", help="sequences per micro-batch"),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", "-b", help="sequences per micro-batch, all ranks together (torchrun splits it)"),
     grad_accum: Optional[int] = typer.Option(None, "--grad-accum"),
     max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len"),
     token_budget: Optional[int] = typer.Option(None, "--token-budget", help="stop after N sequence tokens (0 = off)"),
@@ -346,6 +346,7 @@ def train_cmd(
     seed: Optional[int] = typer.Option(None, "--seed"),
     bf16: Optional[bool] = typer.Option(None, "--bf16/--no-bf16", help="bf16 autocast (default on)"),
     features: Optional[str] = typer.Option(None, "--features", help="online (target runs during training)"),
+    fsdp: Optional[bool] = typer.Option(None, "--fsdp/--ddp", help="under torchrun: shard the drafter (FSDP) or replicate it (DDP, default)"),
     resume: bool = typer.Option(True, "--resume/--no-resume", help="continue the run saved in --out"),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
     dtype: str = DtypeOpt,
@@ -371,7 +372,7 @@ def train_cmd(
             dict(data=data, features=features, steps=steps, token_budget=token_budget, batch_size=batch_size,
                  grad_accum=grad_accum, max_seq_len=max_seq_len, lr=lr, warmup_steps=warmup_steps,
                  min_lr_ratio=min_lr_ratio, weight_decay=weight_decay, grad_clip=grad_clip, bf16=bf16,
-                 val_every=val_every, val_batches=val_batches, save_every=save_every, seed=seed),
+                 val_every=val_every, val_batches=val_batches, save_every=save_every, seed=seed, fsdp=fsdp),
         )  # fmt: skip
         strategy_for(dcfg.method)  # fail on an unknown method before loading the target
         tgt = Target.load(target, dtype=dtype)

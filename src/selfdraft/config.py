@@ -123,7 +123,7 @@ class TrainConfig:
     features: str = "online"  # "online" (target runs during training) or a feature-cache directory
     steps: int = 1000  # optimizer steps (the schedule's length)
     token_budget: int = 0  # stop after this many training tokens (0 = no limit); fair comparisons fix it
-    batch_size: int = 4  # sequences per micro-batch
+    batch_size: int = 4  # sequences per micro-batch, over all ranks together (torchrun: split across them)
     grad_accum: int = 1
     max_seq_len: int = 512
     lr: float = 6e-4
@@ -136,6 +136,7 @@ class TrainConfig:
     val_batches: int = 8
     save_every: int = 100
     seed: int = 0
+    fsdp: bool = False  # under torchrun: shard the drafter (FSDP2 fully_shard) instead of replicating it (DDP)
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch_size < 1 or self.grad_accum < 1:
