@@ -539,5 +539,37 @@ def calibrate_cmd(
     print(f"-> {drafter}/calibration.json, {drafter}/calibration/reliability_k*.png", file=sys.stderr)
 
 
+# ---------------------------------------------------------------- export (speculators format, for vLLM)
+@app.command("export")
+def export_cmd(
+    src: Path = typer.Argument(..., help="selfdraft drafter checkpoint directory (from `selfdraft train`)"),
+    out: Path = typer.Argument(..., help="output directory (written atomically)"),
+    fmt: str = typer.Option("speculators", "--format", help="speculators (what vLLM's speculative decoding loads)"),
+    target: Optional[str] = TargetOpt,
+    mask_token_id: Optional[int] = typer.Option(
+        None, "--mask-token-id", help="DFlash/DSpark: vocab row standing for the mask slots in vLLM (default: last id)"
+    ),
+    dtype: str = DtypeOpt,
+) -> None:
+    """Export a trained drafter as a speculators checkpoint (config.json + model.safetensors) for vLLM."""
+    from selfdraft.export import export_speculators
+    from selfdraft.target import Target, TargetError
+
+    try:
+        if fmt != "speculators":
+            raise ConfigError(f"--format {fmt!r}: the only export format is 'speculators'")
+        tgt = Target.load(target, dtype=dtype)
+        path = export_speculators(src, out, tgt, mask_token_id=mask_token_id)
+        spec = json.loads((path / "config.json").read_text())
+    except (ConfigError, TargetError, OSError) as e:
+        _fail(str(e))
+    files = ", ".join(f"{p.name} ({p.stat().st_size / 1e6:.1f} MB)" for p in sorted(path.iterdir()))
+    tokens = spec["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    verifier = spec["speculators_config"]["verifier"]["name_or_path"]
+    print(f"-> {path}: {files}\nserve it: vllm serve {verifier} --speculative-config "
+          f"'{{\"model\": \"{path}\", \"method\": \"{spec['speculators_model_type']}\", "
+          f"\"num_speculative_tokens\": {tokens}}}'\nor here: selfdraft generate --drafter {path} -p '...'", file=sys.stderr)
+
+
 if __name__ == "__main__":
     app()
