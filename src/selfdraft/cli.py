@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -379,6 +380,8 @@ def train_cmd(
         res = run_training(tgt, dcfg, tcfg, out, resume=resume)
     except (ConfigError, TargetError, DataError, OSError, json.JSONDecodeError) as e:
         _fail(str(e))
+    if os.environ.get("RANK", "0") != "0":
+        return  # torchrun: rank 0 reports
     val = f", val loss {res.final_val.loss:.4f}" if res.final_val else ""
     print(f"{dcfg.method}: {res.steps} steps, {res.tokens} tokens (stopped by {res.stopped_by}){val}, "
           f"{res.elapsed_s:.0f}s -> {res.out_dir}\nuse it: selfdraft generate --drafter {res.out_dir} -p '...'",
