@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -333,7 +334,7 @@ def train_cmd(
     mtp_recursive: Optional[bool] = typer.Option(None, "--mtp-recursive/--mtp-stacked", help="MTP: reuse the last module up to γ"),
     lr: Optional[float] = typer.Option(None, "--lr"),
     steps: Optional[int] = typer.Option(None, "--steps", help="optimizer steps (the schedule's length)"),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", "-b", help="sequences per micro-batch"),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", "-b", help="sequences per micro-batch, all ranks together (torchrun splits it)"),
     grad_accum: Optional[int] = typer.Option(None, "--grad-accum"),
     max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len"),
     token_budget: Optional[int] = typer.Option(None, "--token-budget", help="stop after N sequence tokens (0 = off)"),
@@ -347,6 +348,7 @@ def train_cmd(
     seed: Optional[int] = typer.Option(None, "--seed"),
     bf16: Optional[bool] = typer.Option(None, "--bf16/--no-bf16", help="bf16 autocast (default on)"),
     features: Optional[str] = typer.Option(None, "--features", help="online (target runs during training)"),
+    fsdp: Optional[bool] = typer.Option(None, "--fsdp/--ddp", help="under torchrun: shard the drafter (FSDP) or replicate it (DDP, default)"),
     resume: bool = typer.Option(True, "--resume/--no-resume", help="continue the run saved in --out"),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
     dtype: str = DtypeOpt,
@@ -372,13 +374,15 @@ def train_cmd(
             dict(data=data, features=features, steps=steps, token_budget=token_budget, batch_size=batch_size,
                  grad_accum=grad_accum, max_seq_len=max_seq_len, lr=lr, warmup_steps=warmup_steps,
                  min_lr_ratio=min_lr_ratio, weight_decay=weight_decay, grad_clip=grad_clip, bf16=bf16,
-                 val_every=val_every, val_batches=val_batches, save_every=save_every, seed=seed),
+                 val_every=val_every, val_batches=val_batches, save_every=save_every, seed=seed, fsdp=fsdp),
         )  # fmt: skip
         strategy_for(dcfg.method)  # fail on an unknown method before loading the target
         tgt = Target.load(target, dtype=dtype)
         res = run_training(tgt, dcfg, tcfg, out, resume=resume)
     except (ConfigError, TargetError, DataError, OSError, json.JSONDecodeError) as e:
         _fail(str(e))
+    if os.environ.get("RANK", "0") != "0":
+        return  # torchrun: rank 0 reports
     val = f", val loss {res.final_val.loss:.4f}" if res.final_val else ""
     print(f"{dcfg.method}: {res.steps} steps, {res.tokens} tokens (stopped by {res.stopped_by}){val}, "
           f"{res.elapsed_s:.0f}s -> {res.out_dir}\nuse it: selfdraft generate --drafter {res.out_dir} -p '...'",
@@ -538,6 +542,38 @@ def calibrate_cmd(
         print(f"{r.k:>2} {r.temperature:>6.3f} {r.reached:>7.3f} {r.acceptance:>6.3f} {r.ece_before:>10.4f} "
               f"{r.ece_after:>9.4f} {r.auc_before:>10.4f} {r.auc_after:>9.4f}")
     print(f"-> {drafter}/calibration.json, {drafter}/calibration/reliability_k*.png", file=sys.stderr)
+
+
+# ---------------------------------------------------------------- export (speculators format, for vLLM)
+@app.command("export")
+def export_cmd(
+    src: Path = typer.Argument(..., help="selfdraft drafter checkpoint directory (from `selfdraft train`)"),
+    out: Path = typer.Argument(..., help="output directory (written atomically)"),
+    fmt: str = typer.Option("speculators", "--format", help="speculators (what vLLM's speculative decoding loads)"),
+    target: Optional[str] = TargetOpt,
+    mask_token_id: Optional[int] = typer.Option(
+        None, "--mask-token-id", help="DFlash/DSpark: vocab row standing for the mask slots in vLLM (default: last id)"
+    ),
+    dtype: str = DtypeOpt,
+) -> None:
+    """Export a trained drafter as a speculators checkpoint (config.json + model.safetensors) for vLLM."""
+    from selfdraft.export import export_speculators
+    from selfdraft.target import Target, TargetError
+
+    try:
+        if fmt != "speculators":
+            raise ConfigError(f"--format {fmt!r}: the only export format is 'speculators'")
+        tgt = Target.load(target, dtype=dtype)
+        path = export_speculators(src, out, tgt, mask_token_id=mask_token_id)
+        spec = json.loads((path / "config.json").read_text())
+    except (ConfigError, TargetError, OSError) as e:
+        _fail(str(e))
+    files = ", ".join(f"{p.name} ({p.stat().st_size / 1e6:.1f} MB)" for p in sorted(path.iterdir()))
+    tokens = spec["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    verifier = spec["speculators_config"]["verifier"]["name_or_path"]
+    print(f"-> {path}: {files}\nserve it: vllm serve {verifier} --speculative-config "
+          f"'{{\"model\": \"{path}\", \"method\": \"{spec['speculators_model_type']}\", "
+          f"\"num_speculative_tokens\": {tokens}}}'\nor here: selfdraft generate --drafter {path} -p '...'", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -191,7 +191,7 @@ class DFlashStrategy(Strategy):
 
     def build(self, cfg: DrafterConfig, target: Target) -> DFlashModel:
         resolve_feature_layers(cfg, target)
-        return warm_start(DFlashModel(cfg, LayerShape.from_hf(target.model.config)), cfg, target)
+        return warm_start(DFlashModel(cfg, LayerShape.from_hf(target.model.config, cfg.qk_norm)), cfg, target)
 
     def loss(self, model, batch: Batch, target: Target, cfg: DrafterConfig, generator) -> LossOutput:
         tf = teacher_forced_blocks(model, batch, target, cfg, generator)

@@ -139,7 +139,7 @@ class DSparkStrategy(DFlashStrategy):
 
     def build(self, cfg: DrafterConfig, target: Target) -> DSparkModel:
         resolve_feature_layers(cfg, target)
-        return warm_start(DSparkModel(cfg, LayerShape.from_hf(target.model.config), target.vocab_size), cfg, target)
+        return warm_start(DSparkModel(cfg, LayerShape.from_hf(target.model.config, cfg.qk_norm), target.vocab_size), cfg, target)
 
     def loss(self, model: DSparkModel, batch: Batch, target: Target, cfg: DrafterConfig, generator) -> LossOutput:
         # 1. Backbone over all blocks; heads teacher forced on ground-truth previous tokens.
