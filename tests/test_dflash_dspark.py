@@ -249,3 +249,44 @@ def test_tiny_overfit_drives_loss_down_and_tau_up(target, method):
     assert res.tau > tau0 + 1.0, (tau0, res.tau)
     plain = generate(target, REGISTRY["none"](target), prompt, SamplingParams(), gen)
     assert res.token_ids == plain.token_ids  # still lossless when most drafts are accepted
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_batched_drafting_equals_one_request_at_a_time(target, method):
+    """propose_many (one padded backbone pass for R contexts of different lengths) gives each request
+    the tokens, q and c_k it gets alone, draws the same random numbers, and respects its own γ_r."""
+    from selfdraft.drafters.base import propose_all
+
+    model, cfg = make(method, target, gamma=5, markov_rank=8)
+    prompts = [[5, 17, 3, 42, 8, 8, 61], [1, 2], [9, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39], [4, 4, 4]]
+    params = [SamplingParams(), SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=0.7, top_k=5),
+              SamplingParams()]
+    gammas = [5, 3, 7, 0]
+
+    def drafters():
+        ds = []
+        for p in prompts:
+            d = STRATEGIES[method].drafter(model, cfg, target)
+            d.begin(p[:-1], target.forward(torch.tensor([p[:-1]]), None, FEATS))
+            ds.append(d)
+        return ds
+
+    gens = lambda: [None if p.greedy else torch.Generator().manual_seed(i) for i, p in enumerate(params)]  # noqa: E731
+    alone = [d.propose(p, g, sp, gen) for d, p, g, sp, gen in zip(drafters(), prompts, gammas, params, gens())]
+    together = propose_all(drafters(), prompts, gammas, params, gens())
+    for a, b, g in zip(alone, together, gammas):
+        assert a.tokens.tolist() == b.tokens.tolist() and len(b.tokens) == min(g, 5)
+        for x, y in ((a.q, b.q), (a.confidences, b.confidences)):
+            assert (x is None) == (y is None) and (x is None or torch.allclose(x, y, atol=1e-5))
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_init_from_target_copies_the_last_layers(target, method):
+    model, cfg = make(method, target, gamma=4, markov_rank=8, num_layers=2, init_from_target=True)
+    base = target.model.base_model
+    for mine, theirs in zip(model.layers, list(base.layers)[-2:]):
+        for name, w in theirs.state_dict().items():
+            assert torch.equal(mine.state_dict()[name], w.float()), name
+    assert torch.equal(model.norm.weight, base.norm.weight.float())
+    feats = torch.randn(1, 3, len(FEATS), H)
+    assert torch.allclose(model.fc(feats.flatten(2)), feats[:, :, -1])  # the deepest feature layer passes through

@@ -19,7 +19,7 @@ from selfdraft.config import GenerationConfig, SamplingParams
 from selfdraft.drafters import Drafter, Proposal
 from selfdraft.engine import Engine
 from selfdraft.sampling import probs_from_logits
-from selfdraft.scheduler import CostTable, Scheduler, hardware_lengths, threshold_lengths
+from selfdraft.scheduler import CostTable, Scheduler, hardware_lengths, padded_lengths, threshold_lengths, with_overhead
 from selfdraft.target import Target
 from selfdraft.verify import verify_chain
 from tests.conftest import tiny_llama
@@ -79,13 +79,19 @@ def test_algorithm1_equals_brute_force_on_random_cases():
         assert got == brute_force_early_stopped(conf, table), (conf, table)
 
 
-def admitted_depends_on_later_confidences(early_stop: bool, cases: int = 200) -> bool:
+def admitted_depends_on_later_confidences(early_stop: bool, cases: int = 200, padded: bool = False) -> bool:
     """True if some {ℓ_r ≥ j} changes when only c_{r,j+1..} (which read drafts x_{≥j}) change."""
     rng = random.Random(1)
     for _ in range(cases):
         conf = [[rng.random() ** 0.3 for _ in range(rng.randint(1, 6))] for _ in range(rng.randint(1, 4))]
         table = random_table(rng)
-        run = lambda cs: hardware_lengths([torch.tensor(c, dtype=torch.float64) for c in cs], table, early_stop=early_stop)  # noqa: E731
+
+        def run(cs: list[list[float]]) -> list[int]:
+            cs = [torch.tensor(c, dtype=torch.float64) for c in cs]
+            if padded:
+                return padded_lengths(cs, table, rows=len(cs), early_stop=early_stop)
+            return hardware_lengths(cs, table, early_stop=early_stop)
+
         base = run(conf)
         for r, c in enumerate(conf):
             for j in range(len(c) + 1):
@@ -98,8 +104,53 @@ def admitted_depends_on_later_confidences(early_stop: bool, cases: int = 200) ->
 
 
 def test_admission_never_reads_an_unsampled_token():
-    assert not admitted_depends_on_later_confidences(early_stop=True)
-    assert admitted_depends_on_later_confidences(early_stop=False)  # the global search does
+    for padded in (False, True):
+        assert not admitted_depends_on_later_confidences(early_stop=True, padded=padded)
+        assert admitted_depends_on_later_confidences(early_stop=False, padded=padded)  # the global search does
+
+
+def brute_force_padded(conf: list[list[float]], sps, floor: int = 0) -> list[int]:
+    """Slow reference for the padded engine: Θ(W) = (R + Σ_r Σ_{j≤min(W,γ_r)} a_{r,j}) · SPS(R·(W+1))
+    from scratch for every width; the answer is the last W before Θ first fails to increase."""
+    R, gamma = len(conf), max(len(c) for c in conf)
+
+    def theta(W: int) -> float:
+        tau = R + sum(math.prod(c[:j]) for c in conf for j in range(1, min(W, len(c)) + 1))
+        return tau * sps(R * (W + 1))
+
+    W = floor
+    while W < gamma and theta(W + 1) > theta(W):
+        W += 1
+    return [min(W, len(c)) for c in conf]
+
+
+def test_padded_algorithm_equals_brute_force_and_algorithm1_for_one_request():
+    rng = random.Random(2)
+    for _ in range(300):
+        conf = [[rng.random() ** 0.3 for _ in range(rng.randint(0, 7))] for _ in range(rng.randint(1, 6))]
+        if not any(conf):
+            continue
+        table, floor = random_table(rng), rng.choice([0, 0, 1, 2])
+        floor = min(floor, max(len(c) for c in conf))
+        tens = [torch.tensor(c, dtype=torch.float64) for c in conf]
+        assert padded_lengths(tens, table, len(conf), floor) == brute_force_padded(conf, table, floor), (conf, table)
+        assert padded_lengths(tens[:1], table, 1) == hardware_lengths(tens[:1], table)
+
+
+def test_padded_pricing_and_drafting_overhead():
+    # Two requests; a = (.9, .45), (.2, .1). SPS halves from B=2 to B=4: one column costs 2x.
+    c = [torch.tensor([0.9, 0.5]), torch.tensor([0.2, 0.5])]
+    table = CostTable((2, 4, 6), (10.0, 5.0, 2.0))
+    # Θ(0) = 2·10 = 20, Θ(1) = 3.1·5 = 15.5: the padded engine verifies nothing ...
+    assert padded_lengths(c, table, rows=2) == [0, 0]
+    # ... while Σ(ℓ+1) pricing admits request 0's first draft (B=3, Θ = 2.9·7.5 = 21.75): the
+    # forward would still carry 2·2 = 4 tokens.
+    assert hardware_lengths(c, table) == [1, 0]
+    # A 0.2 s draft pass paid either way: Θ(0) = 2/(0.1+0.2) = 6.7 < Θ(1) = 3.1/(0.2+0.2) = 7.75.
+    assert padded_lengths(c, with_overhead(table, 0.2), rows=2) == [1, 1]
+    s = Scheduler("hardware", cost=table)
+    props = [Proposal(torch.tensor([1, 2]), confidences=x) for x in c]
+    assert s.lengths(props) == [0, 0] and s.lengths(props, overhead_s=0.2) == [1, 1]
 
 
 def test_scheduler_falls_back_to_fixed_without_confidences():
@@ -188,7 +239,7 @@ def engine_joint_pvalue(target: Target, table: CostTable, n: int = 500) -> float
 def test_appendix_a_through_the_engine(monkeypatch):
     target = Target(tiny_llama(vocab=V_SMALL, hidden=16, layers=2, seed=1, peaked=1.0))
     assert engine_joint_pvalue(target, RISE) > 1e-3  # ℓ = 1 or 2, chosen after seeing x_1: still exact
-    monkeypatch.setattr(sched_mod, "hardware_lengths", partial(hardware_lengths, early_stop=False))
+    monkeypatch.setattr(sched_mod, "padded_lengths", partial(padded_lengths, early_stop=False))
     assert engine_joint_pvalue(target, DIP) < 1e-5  # x_1 verified only when x_1 = m: biased (p ≈ 1e-8 here)
 
 

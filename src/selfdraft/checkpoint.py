@@ -256,8 +256,16 @@ def load_module(dir: str | Path, target: "Target", dtype: torch.dtype | None = N
 
 
 def load_checkpoint(dir: str | Path, target: "Target") -> "Drafter":
-    """A trained drafter directory -> an inference `Drafter` for `target` (which must be its target)."""
+    """A trained drafter directory -> an inference `Drafter` for `target` (which must be its target).
+
+    A speculators-format directory (config.json names a `speculators_model_type`, e.g. a drafter
+    exported for vLLM or released for this target elsewhere) is mapped onto our modules (export.py).
+    """
+    from selfdraft.export import is_speculators_dir, load_speculators
     from selfdraft.training.strategy import STRATEGIES
+
+    if is_speculators_dir(dir):
+        return load_speculators(dir, target)
 
     model, cfg = load_module(dir, target)
     return STRATEGIES[cfg.method].drafter(model, cfg, target)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -327,12 +328,13 @@ def train_cmd(
     w_conf: Optional[float] = typer.Option(None, "--w-conf", help="confidence (BCE) loss weight"),
     loss_decay: Optional[float] = typer.Option(None, "--loss-decay", help="position weight exp(-(k-1)/decay)"),
     anchors_per_seq: Optional[int] = typer.Option(None, "--anchors-per-seq"),
+    init_from_target: Optional[bool] = typer.Option(None, "--init-from-target/--random-init", help="DFlash/DSpark: start from the target's last layers"),
     draft_vocab_size: Optional[int] = typer.Option(None, "--draft-vocab-size", help="EAGLE-3 draft vocab (0 = full)"),
     mtp_modules: Optional[int] = typer.Option(None, "--mtp-modules", help="MTP: D stacked modules"),
     mtp_recursive: Optional[bool] = typer.Option(None, "--mtp-recursive/--mtp-stacked", help="MTP: reuse the last module up to γ"),
     lr: Optional[float] = typer.Option(None, "--lr"),
     steps: Optional[int] = typer.Option(None, "--steps", help="optimizer steps (the schedule's length)"),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", "-b", help="sequences per micro-batch"),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", "-b", help="sequences per micro-batch, all ranks together (torchrun splits it)"),
     grad_accum: Optional[int] = typer.Option(None, "--grad-accum"),
     max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len"),
     token_budget: Optional[int] = typer.Option(None, "--token-budget", help="stop after N sequence tokens (0 = off)"),
@@ -346,6 +348,7 @@ def train_cmd(
     seed: Optional[int] = typer.Option(None, "--seed"),
     bf16: Optional[bool] = typer.Option(None, "--bf16/--no-bf16", help="bf16 autocast (default on)"),
     features: Optional[str] = typer.Option(None, "--features", help="online (target runs during training)"),
+    fsdp: Optional[bool] = typer.Option(None, "--fsdp/--ddp", help="under torchrun: shard the drafter (FSDP) or replicate it (DDP, default)"),
     resume: bool = typer.Option(True, "--resume/--no-resume", help="continue the run saved in --out"),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
     dtype: str = DtypeOpt,
@@ -366,18 +369,20 @@ def train_cmd(
             config,
             dict(method=method, gamma=gamma, num_layers=layers, feature_layers=layer_ids, anchor_as_first=anchor_as_first,
                  markov_rank=markov_rank, markov_head=markov_head, confidence_head=confidence_head, w_ce=w_ce,
-                 w_tv=w_tv, w_conf=w_conf, loss_decay=loss_decay, anchors_per_seq=anchors_per_seq,
+                 w_tv=w_tv, w_conf=w_conf, loss_decay=loss_decay, anchors_per_seq=anchors_per_seq, init_from_target=init_from_target,
                  draft_vocab_size=draft_vocab_size, mtp_modules=mtp_modules, mtp_recursive=mtp_recursive),
             dict(data=data, features=features, steps=steps, token_budget=token_budget, batch_size=batch_size,
                  grad_accum=grad_accum, max_seq_len=max_seq_len, lr=lr, warmup_steps=warmup_steps,
                  min_lr_ratio=min_lr_ratio, weight_decay=weight_decay, grad_clip=grad_clip, bf16=bf16,
-                 val_every=val_every, val_batches=val_batches, save_every=save_every, seed=seed),
+                 val_every=val_every, val_batches=val_batches, save_every=save_every, seed=seed, fsdp=fsdp),
         )  # fmt: skip
         strategy_for(dcfg.method)  # fail on an unknown method before loading the target
         tgt = Target.load(target, dtype=dtype)
         res = run_training(tgt, dcfg, tcfg, out, resume=resume)
     except (ConfigError, TargetError, DataError, OSError, json.JSONDecodeError) as e:
         _fail(str(e))
+    if os.environ.get("RANK", "0") != "0":
+        return  # torchrun: rank 0 reports
     val = f", val loss {res.final_val.loss:.4f}" if res.final_val else ""
     print(f"{dcfg.method}: {res.steps} steps, {res.tokens} tokens (stopped by {res.stopped_by}){val}, "
           f"{res.elapsed_s:.0f}s -> {res.out_dir}\nuse it: selfdraft generate --drafter {res.out_dir} -p '...'",
@@ -481,9 +486,10 @@ def profile_cmd(
         cfg = GenerationConfig(max_new_tokens=max_new_tokens, gamma=gamma)
         params = SamplingParams(temperature=temperature, seed=0 if temperature > 0 else None)
         print(f"\n{'scheduler':>10} {'R':>3} {'tok/s':>7} {'req tok/s':>9} {'tau':>5}")
-        for kind in [k.strip() for k in schedulers.split(",") if k.strip()]:
-            sched = Scheduler(kind, threshold=threshold, cost=prof.cost_table())
-            for R in _int_list(concurrency, "--concurrency"):
+        kinds = [k.strip() for k in schedulers.split(",") if k.strip()]
+        for R in _int_list(concurrency, "--concurrency"):  # schedulers interleaved: drift hits all alike
+            for kind in kinds:
+                sched = Scheduler(kind, threshold=threshold, cost=prof.cost_table())
                 r = engine_throughput(tgt, make, ids, R, sched, params, cfg)
                 print(f"{kind:>10} {R:>3} {r.tokens_per_s:>7.1f} {r.mean_request_tokens_per_s:>9.2f} {r.tau:>5.2f}", flush=True)
     except (ConfigError, TargetError, OSError) as e:
@@ -536,6 +542,38 @@ def calibrate_cmd(
         print(f"{r.k:>2} {r.temperature:>6.3f} {r.reached:>7.3f} {r.acceptance:>6.3f} {r.ece_before:>10.4f} "
               f"{r.ece_after:>9.4f} {r.auc_before:>10.4f} {r.auc_after:>9.4f}")
     print(f"-> {drafter}/calibration.json, {drafter}/calibration/reliability_k*.png", file=sys.stderr)
+
+
+# ---------------------------------------------------------------- export (speculators format, for vLLM)
+@app.command("export")
+def export_cmd(
+    src: Path = typer.Argument(..., help="selfdraft drafter checkpoint directory (from `selfdraft train`)"),
+    out: Path = typer.Argument(..., help="output directory (written atomically)"),
+    fmt: str = typer.Option("speculators", "--format", help="speculators (what vLLM's speculative decoding loads)"),
+    target: Optional[str] = TargetOpt,
+    mask_token_id: Optional[int] = typer.Option(
+        None, "--mask-token-id", help="DFlash/DSpark: vocab row standing for the mask slots in vLLM (default: last id)"
+    ),
+    dtype: str = DtypeOpt,
+) -> None:
+    """Export a trained drafter as a speculators checkpoint (config.json + model.safetensors) for vLLM."""
+    from selfdraft.export import export_speculators
+    from selfdraft.target import Target, TargetError
+
+    try:
+        if fmt != "speculators":
+            raise ConfigError(f"--format {fmt!r}: the only export format is 'speculators'")
+        tgt = Target.load(target, dtype=dtype)
+        path = export_speculators(src, out, tgt, mask_token_id=mask_token_id)
+        spec = json.loads((path / "config.json").read_text())
+    except (ConfigError, TargetError, OSError) as e:
+        _fail(str(e))
+    files = ", ".join(f"{p.name} ({p.stat().st_size / 1e6:.1f} MB)" for p in sorted(path.iterdir()))
+    tokens = spec["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    verifier = spec["speculators_config"]["verifier"]["name_or_path"]
+    print(f"-> {path}: {files}\nserve it: vllm serve {verifier} --speculative-config "
+          f"'{{\"model\": \"{path}\", \"method\": \"{spec['speculators_model_type']}\", "
+          f"\"num_speculative_tokens\": {tokens}}}'\nor here: selfdraft generate --drafter {path} -p '...'", file=sys.stderr)
 
 
 # ---------------------------------------------------------------- serve (OpenAI-compatible HTTP server)

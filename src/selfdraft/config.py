@@ -76,9 +76,11 @@ class DrafterConfig:
     gamma: int = 7  # block size γ: draft logits per round
     num_layers: int = 1  # draft decoder layers (as wide as the target)
     feature_layers: tuple[int, ...] = ()  # 0-based target layers; () = target.default_feature_layers()
+    qk_norm: bool = False  # per-head RMSNorm on q/k (Qwen3 style): the layer vLLM's DFlash/DSpark/MTP loaders build
     anchor_as_first: bool = True  # DSpark layout (γ inputs -> γ drafts); False = DFlash (anchor + γ masks)
     loss_decay: float = 4.0  # position weight w_k = exp(-(k-1)/loss_decay)
     anchors_per_seq: int = 32  # training blocks sampled per sequence (DeepSpec: 512 on long data)
+    init_from_target: bool = False  # DFlash/DSpark: start draft layers from the target's last layers
     # DSpark heads (ignored by dflash)
     markov_rank: int = 64  # r of the Markov head (paper 256; 0 disables the head)
     markov_head: str = "vanilla"  # vanilla | gated | rnn
@@ -122,7 +124,7 @@ class TrainConfig:
     features: str = "online"  # "online" (target runs during training) or a feature-cache directory
     steps: int = 1000  # optimizer steps (the schedule's length)
     token_budget: int = 0  # stop after this many training tokens (0 = no limit); fair comparisons fix it
-    batch_size: int = 4  # sequences per micro-batch
+    batch_size: int = 4  # sequences per micro-batch, over all ranks together (torchrun: split across them)
     grad_accum: int = 1
     max_seq_len: int = 512
     lr: float = 6e-4
@@ -135,6 +137,7 @@ class TrainConfig:
     val_batches: int = 8
     save_every: int = 100
     seed: int = 0
+    fsdp: bool = False  # under torchrun: shard the drafter (FSDP2 fully_shard) instead of replicating it (DDP)
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch_size < 1 or self.grad_accum < 1:

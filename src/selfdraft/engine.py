@@ -13,7 +13,9 @@ R = 4: padded [4, 8] 704 ms vs packed [1, 23] 965 ms; R = 16: padded [16, 8] 812
 [1, 67] 913 ms. Packing saves the pad tokens in the linear layers, but with HF's attention it needs
 one cache row holding every request and a block-diagonal mask, so each query attends over R·S
 keys instead of S; padding keeps attention per request and HF's 2D padding masks. Cost: the
-forward carries R·(max ℓ_r + 1) tokens, not the B = Σ(ℓ_r + 1) that Algorithm 1 prices.
+forward carries R·(max ℓ_r + 1) tokens, not Σ(ℓ_r + 1), so the hardware scheduler prices that
+(`scheduler.padded_lengths`). Drafters sharing weights (copies of one DFlash/DSpark checkpoint)
+draft all requests in one batched pass (`Drafter.propose_many`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from transformers import DynamicCache
 
 from selfdraft.config import GenerationConfig, SamplingParams
 from selfdraft.decode import GenerationResult, RoundStats, verify
-from selfdraft.drafters.base import Drafter, Proposal
+from selfdraft.drafters.base import Drafter, Proposal, propose_all
 from selfdraft.scheduler import Scheduler
 from selfdraft.target import Target, TargetError, TargetStep
 
@@ -136,6 +138,7 @@ class Engine:
         self.pending: list[_Request] = []
         self.results: dict[int, GenerationResult] = {}
         self._next_id = 0
+        self._draft_s = 0.0  # EMA of a step's drafting time: what `hardware` adds to 1 / SPS(B)
 
     def add_request(
         self,
@@ -180,20 +183,22 @@ class Engine:
         reqs = self.active
         # 1. Every request drafts at most what still fits under max_new_tokens (one slot for the bonus).
         t0 = time.perf_counter()
-        proposals = []
-        for q in reqs:
-            budget = min(q.config.gamma, q.config.max_new_tokens - len(q.out) - 1)
-            proposal = q.drafter.propose(q.prompt + q.out, budget, q.params, q.generator)
-            if proposal.parents is not None:
-                raise TargetError(f"{q.drafter.name} drafts a tree; the batched engine verifies chains (use decode.generate)")
-            proposals.append(proposal.truncate(budget))
-        # 2. The scheduler picks ℓ_r from the confidences (and SPS).
-        ells = self.scheduler.lengths(proposals)
+        budgets = [min(q.config.gamma, q.config.max_new_tokens - len(q.out) - 1) for q in reqs]
+        proposals = propose_all(
+            [q.drafter for q in reqs], [q.prompt + q.out for q in reqs], budgets,
+            [q.params for q in reqs], [q.generator for q in reqs],
+        )
+        if any(p.parents is not None for p in proposals):
+            raise TargetError("a drafter drafts a tree; the batched engine verifies chains (use decode.generate)")
+        proposals = [p.truncate(n) for p, n in zip(proposals, budgets)]
+        # 2. The scheduler picks ℓ_r from the confidences, SPS and the drafting time (an EMA of past steps).
+        ells = self.scheduler.lengths(proposals, overhead_s=self._draft_s)
         proposals = [p.truncate(n) for p, n in zip(proposals, ells)]
         t1 = time.perf_counter()
         # 3. ONE target forward over [anchor_r, d_r1..d_rℓ_r], padded to W = max ℓ_r + 1.
         step, layers = self._verify_forward(reqs, proposals, ells)
         verify_s = time.perf_counter() - t1
+        self._draft_s = (t1 - t0) if self._draft_s == 0.0 else 0.8 * self._draft_s + 0.2 * (t1 - t0)
         # 4. Verify each request with its own generator; commit (stop at EOS).
         keep_slots = torch.zeros(len(reqs), step.logits.shape[1], dtype=torch.bool)
         alive = []

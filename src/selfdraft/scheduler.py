@@ -96,14 +96,54 @@ def hardware_lengths(
     return best_lengths
 
 
+def padded_lengths(
+    confidences: Sequence[torch.Tensor], sps: Callable[[int], float], rows: int, floor: int = 0, base: float | None = None,
+    early_stop: bool = True,
+) -> list[int]:
+    """Algorithm 1 for a padded batch (our engine): the forward carries B = rows·(W + 1) tokens,
+    W = max ℓ_r, so verifying fewer than W drafts of one request saves nothing. Candidates are
+    whole columns w (draft w of every request, gain Σ_r a_{r,w}), admitted in order w = 1, 2, ..
+    while Θ = τ* · SPS(rows·(w + 1)) improves, stopping at the first column that does not.
+
+    Lossless for the same reason as Algorithm 1: {ℓ_r ≥ j} = {W ≥ j} reads only columns ≤ j.
+    `floor` = width forced by drafts verified in full (drafters without confidences); `base` =
+    τ* before any column (default rows). With rows = 1 this is exactly `hardware_lengths`.
+    """
+    a = [prefix_survival(c).tolist() for c in confidences]
+    gamma = max((len(x) for x in a), default=0)
+    # 1. Columns up to the floor are verified anyway.
+    tau = float(rows if base is None else base) + sum(sum(x[:floor]) for x in a)
+    W = floor
+    best = tau * sps(rows * (W + 1))
+    # 2. Admit column w while Θ improves.
+    for w in range(floor + 1, gamma + 1):
+        tau += sum(x[w - 1] for x in a if len(x) >= w)
+        theta = tau * sps(rows * (w + 1))
+        if theta > best:
+            best, W = theta, w
+        elif early_stop:
+            break
+    return [min(W, len(x)) for x in a]
+
+
+def with_overhead(sps: Callable[[int], float], overhead_s: float) -> Callable[[int], float]:
+    """Steps per second of a whole engine step: 1 / (1 / SPS(B) + drafting time). Drafting is paid
+    whatever ℓ is, so it makes verifying more worthwhile than SPS(B) alone says."""
+    if overhead_s <= 0:
+        return sps
+    return lambda B: 1.0 / (1.0 / sps(B) + overhead_s)
+
+
 @dataclass
 class Scheduler:
     """The engine's choice of ℓ_r. kind: fixed (all drafts) | threshold (a_j ≥ threshold) |
-    hardware (Algorithm 1 on `cost`, from `selfdraft profile`)."""
+    hardware (Algorithm 1 on `cost`, from `selfdraft profile`). padded: price the forward as the
+    padded engine runs it (rows·(max ℓ + 1) tokens, `padded_lengths`) instead of Σ(ℓ_r + 1)."""
 
     kind: str = "fixed"
     threshold: float = 0.5
     cost: CostTable | None = None
+    padded: bool = True
     _warned: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -114,8 +154,9 @@ class Scheduler:
         if not 0.0 <= self.threshold <= 1.0:
             raise ConfigError(f"threshold must be in [0, 1], got {self.threshold}")
 
-    def lengths(self, proposals: Sequence[Proposal]) -> list[int]:
-        """ℓ_r for each request's proposal. Drafts without confidences are all verified (fixed)."""
+    def lengths(self, proposals: Sequence[Proposal], overhead_s: float = 0.0) -> list[int]:
+        """ℓ_r for each request's proposal. Drafts without confidences are all verified (fixed).
+        overhead_s: the step's cost besides the target forward (drafting), for `hardware`."""
         full = [len(p.tokens) for p in proposals]
         if self.kind == "fixed":
             return full
@@ -127,8 +168,13 @@ class Scheduler:
         conf = [proposals[r].confidences for r in scored]
         if self.kind == "threshold":
             picked = threshold_lengths(conf, self.threshold)
+        elif self.padded:
+            floor = max((full[r] for r in blind), default=0)
+            base = len(proposals) + sum(full[r] for r in blind)
+            picked = padded_lengths(conf, with_overhead(self.cost, overhead_s), len(proposals), floor, base)
         else:
-            picked = hardware_lengths(conf, self.cost, base=len(proposals) + sum(full[r] for r in blind))
+            base = len(proposals) + sum(full[r] for r in blind)
+            picked = hardware_lengths(conf, with_overhead(self.cost, overhead_s), base=base)
         out = [full[r] if r in blind else 0 for r in range(len(proposals))]
         for r, n in zip(scored, picked):
             out[r] = n

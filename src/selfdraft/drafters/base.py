@@ -66,6 +66,34 @@ class Drafter:
         """After verification: step is sliced to the committed positions ([1, n_accepted + 1, ...]):
         the previous anchor and the accepted drafts. The new anchor is verification.next_token."""
 
+    def batch_key(self) -> object | None:
+        """Drafters with the same non-None key draft together in one `propose_many` call."""
+        return None
+
+    @staticmethod
+    def propose_many(drafters, tokens, gammas, params, generators) -> list[Proposal]:
+        """R rounds at once (the batched engine); a kind with batched weights overrides this."""
+        return [d.propose(*a) for d, *a in zip(drafters, tokens, gammas, params, generators)]
+
+
+def propose_all(
+    drafters: list[Drafter], tokens: list[list[int]], gammas: list[int], params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> list[Proposal]:
+    """Every request's proposal, drafters sharing a `batch_key` in one batched call each."""
+    groups: dict[object, list[int]] = {}
+    for r, d in enumerate(drafters):
+        key = d.batch_key()
+        groups.setdefault(("alone", r) if key is None else key, []).append(r)
+    out: list[Proposal] = [Proposal.empty()] * len(drafters)
+    for idx in groups.values():
+        pick = lambda xs: [xs[r] for r in idx]  # noqa: E731
+        for r, p in zip(idx, type(drafters[idx[0]]).propose_many(
+            pick(drafters), pick(tokens), pick(gammas), pick(params), pick(generators)
+        )):
+            out[r] = p
+    return out
+
 
 class TrainedDrafter(Drafter):
     """Shared setup of drafters with trained weights (MTP, EAGLE-3, DFlash, DSpark).

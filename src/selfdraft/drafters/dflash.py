@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from selfdraft.config import DrafterConfig, SamplingParams
+from selfdraft.config import ConfigError, DrafterConfig, SamplingParams
 from selfdraft.drafters.base import Proposal, TrainedDrafter
 from selfdraft.drafters.layers import KV, InjectedDecoderLayer, LayerShape, RMSNorm, Rotary
 from selfdraft.sampling import probs_from_logits, sample
@@ -30,15 +30,16 @@ from selfdraft.training.objectives import accuracy_at_k, position_weights, weigh
 from selfdraft.training.strategy import Batch, LossOutput, Strategy, register_strategy
 
 Pick = Callable[[int, torch.Tensor], int]  # (k, logits_k [V]) -> chosen draft token x_k
+PickMany = Callable[[int, torch.Tensor], torch.Tensor]  # (k, logits_k [R, V]) -> x_k [R] for R blocks at once
 
 
 @dataclass
 class DraftBlock:
     """One round's serial decode of a block (inference, or teacher-forced replay in tests)."""
 
-    tokens: torch.Tensor  # [γ] int64 x_1..x_γ
-    logits: torch.Tensor  # [γ, V] float32 the logits each x_k was chosen from
-    confidences: torch.Tensor | None  # [γ] c_k, or None without a confidence head
+    tokens: torch.Tensor  # [γ] int64 x_1..x_γ ([R, γ] when R blocks are decoded together)
+    logits: torch.Tensor  # [γ, V] float32 the logits each x_k was chosen from ([R, γ, V])
+    confidences: torch.Tensor | None  # [γ] c_k ([R, γ]), or None without a confidence head
 
 
 class DFlashModel(nn.Module):
@@ -60,6 +61,26 @@ class DFlashModel(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
+
+    @torch.no_grad()
+    def init_from_target(self, target: Target) -> None:
+        """Warm start (cfg.init_from_target): draft layer i <- the target's layer L - N + i (same
+        parameter names as HF Llama layers), final norm <- the target's; the fusion starts by passing
+        the deepest feature layer through, normed as the first copied layer normed its input."""
+        layers, norm = getattr(target.model.base_model, "layers", None), getattr(target.model.base_model, "norm", None)
+        if layers is None or norm is None or len(layers) < len(self.layers):
+            raise ConfigError("init_from_target needs a Llama-style target (base_model.layers and .norm)")
+        src = list(layers)[-len(self.layers):]
+        for mine, theirs in zip(self.layers, src):
+            try:
+                mine.load_state_dict(theirs.state_dict())
+            except RuntimeError as e:
+                raise ConfigError(f"init_from_target: the target's layers do not match a Llama layer: {e}") from None
+        self.norm.weight.copy_(norm.weight)
+        H = self.norm.weight.shape[0]
+        self.fc.weight.zero_()
+        self.fc.weight[:, -H:] = torch.eye(H)
+        self.context_norm.weight.copy_(src[0].input_layernorm.weight)
 
     def context(self, features: torch.Tensor) -> torch.Tensor:
         """features: [B, T, n_feat, H] target layer outputs -> C: [B, T, H]."""
@@ -89,16 +110,28 @@ class DFlashModel(nn.Module):
         h = self.norm(x).view(B, A, L, H)
         return h[:, :, self.offset : self.offset + self.gamma]  # [B, A, γ, H]
 
-    def decode_block(self, h: torch.Tensor, U: torch.Tensor, x0: int, pick: Pick) -> DraftBlock:
-        """DFlash drafts are independent given the block: logits_k = U_k. h: [γ, H], U: [γ, V]."""
-        tokens = torch.tensor([pick(k, U[k]) for k in range(U.shape[0])], dtype=torch.long)
+    def decode_blocks(self, h: torch.Tensor, U: torch.Tensor, x0: torch.Tensor, pick: PickMany) -> DraftBlock:
+        """DFlash drafts are independent given the block: logits_k = U_k. h: [R, γ, H], U: [R, γ, V], x0: [R]."""
+        tokens = torch.stack([pick(k, U[:, k]) for k in range(U.shape[1])], dim=1)  # [R, γ]
         return DraftBlock(tokens, U, None)
+
+    def decode_block(self, h: torch.Tensor, U: torch.Tensor, x0: int, pick: Pick) -> DraftBlock:
+        """One block (h: [γ, H], U: [γ, V]): `decode_blocks` with R = 1."""
+        many = lambda k, logits: torch.tensor([pick(k, logits[0])])  # noqa: E731
+        b = self.decode_blocks(h[None], U[None], torch.tensor([x0], device=h.device), many)
+        return DraftBlock(b.tokens[0], b.logits[0], None if b.confidences is None else b.confidences[0])
 
 
 def lm_logits(target: Target, h: torch.Tensor) -> torch.Tensor:
     """U = target LM head (frozen, shared) on drafter states: [..., H] -> [..., V] float32."""
     w_dtype = target.model.get_output_embeddings().weight.dtype
     return target.lm_head(h.to(w_dtype)).float()
+
+
+def warm_start(model: "DFlashModel", cfg: DrafterConfig, target: Target) -> "DFlashModel":
+    if cfg.init_from_target:
+        model.init_from_target(target)
+    return model
 
 
 def resolve_feature_layers(cfg: DrafterConfig, target: Target) -> tuple[int, ...]:
@@ -158,7 +191,7 @@ class DFlashStrategy(Strategy):
 
     def build(self, cfg: DrafterConfig, target: Target) -> DFlashModel:
         resolve_feature_layers(cfg, target)
-        return DFlashModel(cfg, LayerShape.from_hf(target.model.config))
+        return warm_start(DFlashModel(cfg, LayerShape.from_hf(target.model.config, cfg.qk_norm)), cfg, target)
 
     def loss(self, model, batch: Batch, target: Target, cfg: DrafterConfig, generator) -> LossOutput:
         tf = teacher_forced_blocks(model, batch, target, cfg, generator)
@@ -203,40 +236,77 @@ class DFlashDrafter(TrainedDrafter):
     def observe(self, verification, step: TargetStep) -> None:
         self._append(step.features[0])  # [n_accepted + 1, n_feat, H]: old anchor + accepted drafts
 
+    def batch_key(self) -> int:
+        return id(self.model)  # copies of one loaded drafter share weights: they draft together
+
     @torch.inference_mode()
     def draft_states(self, tokens: list[int], g: int) -> torch.Tensor:
-        """One backbone pass over the block [x_t, m, ..] at t = len(tokens) - 1 -> h: [g, H].
+        """One backbone pass over the block [x_t, m, ..] at t = len(tokens) - 1 -> h: [g, H]."""
+        return self.draft_states_many([self], [tokens])[0, :g]
 
-        The full trained block always runs (attention inside it is bidirectional); the first g
-        draft slots are kept.
-        """
-        t = len(tokens) - 1  # the anchor's position; context = positions 0..t-1
-        assert self.ctx_len == t, f"drafter context holds {self.ctx_len} positions, anchor is at {t}"
-        dev = self.target.model.device
-        pos = torch.tensor([[t]], device=dev)
-        mask = block_attention_mask(pos, t, self.model.block_len)  # [1, L, t + L], all visible
-        anchor_emb = self.target.embed(torch.tensor([[tokens[-1]]], device=dev))  # [1, 1, H]
-        return self.model.backbone(self.ctx, anchor_emb, pos, mask)[0, 0, :g]
-
+    @staticmethod
     @torch.inference_mode()
+    def draft_states_many(drafters: list["DFlashDrafter"], tokens: list[list[int]]) -> torch.Tensor:
+        """R blocks in ONE backbone pass, each over its own context -> h: [R, γ, H].
+
+        Contexts differ in length t_r: their K/V are right-padded to the longest and the block mask
+        hides key s ≥ t_r from block r. The full trained block always runs (attention inside it is
+        bidirectional).
+        """
+        model, target = drafters[0].model, drafters[0].target
+        dev = target.model.device
+        t = [len(x) - 1 for x in tokens]  # anchor positions; context = positions 0..t_r-1
+        for d, t_r in zip(drafters, t):
+            assert d.ctx_len == t_r, f"drafter context holds {d.ctx_len} positions, anchor is at {t_r}"
+        T = max(t)
+
+        def pad(x: torch.Tensor) -> torch.Tensor:  # [1, n_kv, t_r, d] -> [1, n_kv, T, d]
+            return F.pad(x, (0, 0, 0, T - x.shape[2]))
+
+        ctx = [KV(torch.cat([pad(d.ctx[i].k) for d in drafters]), torch.cat([pad(d.ctx[i].v) for d in drafters]))
+               for i in range(len(model.layers))]  # per layer [R, n_kv, T, d]
+        pos = torch.tensor(t, device=dev)[:, None]  # [R, 1]
+        mask = block_attention_mask(pos, T, model.block_len)  # [R, L, T + L]: context s < t_r
+        anchor_emb = target.embed(torch.tensor([[x[-1]] for x in tokens], device=dev))  # [R, 1, H]
+        return model.backbone(ctx, anchor_emb, pos, mask)[:, 0]  # [R, γ, H]
+
     def propose(
         self, tokens: list[int], gamma: int, params: SamplingParams, generator: torch.Generator | None
     ) -> Proposal:
-        g = min(gamma, self.cfg.gamma)
-        if g <= 0:
-            return Proposal.empty()
-        # 1. Backbone states and logits U_k of the first g drafts.
-        h = self.draft_states(tokens, g)  # [g, H]
-        U = lm_logits(self.target, h)  # [g, V]
-        # 2. Left-to-right choice of x_k (DSpark adds the Markov bias and c_k inside decode_block).
-        if params.greedy:
-            pick: Pick = lambda k, logits: int(logits.argmax())  # noqa: E731
-        else:
-            pick = lambda k, logits: int(sample(probs_from_logits(logits, params), generator))  # noqa: E731
-        block = self.model.decode_block(h, U, tokens[-1], pick)
+        return self.propose_many([self], [tokens], [gamma], [params], [generator])[0]
+
+    @staticmethod
+    @torch.inference_mode()
+    def propose_many(drafters, tokens, gammas, params, generators) -> list[Proposal]:
+        """R requests' rounds in one backbone pass and one LM-head matmul; each request keeps its own
+        γ_r, sampling parameters and generator (a request draws exactly the samples it would alone)."""
+        live = [r for r, g in enumerate(gammas) if min(g, drafters[r].cfg.gamma) > 0]
+        out = [Proposal.empty() for _ in drafters]
+        if not live:
+            return out
+        model, target = drafters[live[0]].model, drafters[live[0]].target
+        g = [min(gammas[r], drafters[r].cfg.gamma) for r in live]
+        # 1. Backbone states and logits U_k of every live request's block.
+        h = DFlashDrafter.draft_states_many([drafters[r] for r in live], [tokens[r] for r in live])[:, : max(g)]
+        U = lm_logits(target, h)  # [R', γ, V]
+        # 2. Left-to-right choice of x_k (DSpark adds the Markov bias and c_k inside decode_blocks);
+        #    positions past a request's own γ_r are filled greedily and cut, drawing no randomness.
+
+        def pick(k: int, logits: torch.Tensor) -> torch.Tensor:  # [R', V] -> [R']
+            return torch.stack([
+                logits[i].argmax() if params[r].greedy or k >= g[i]
+                else sample(probs_from_logits(logits[i], params[r]), generators[r])
+                for i, r in enumerate(live)
+            ])
+
+        x0 = torch.tensor([tokens[r][-1] for r in live], device=h.device)
+        block = model.decode_blocks(h, U, x0, pick)
         # 3. q_k is exactly what x_k was sampled from (one-hot when greedy: q = None).
-        q = None if params.greedy else probs_from_logits(block.logits, params)
-        return Proposal(tokens=block.tokens, q=q, confidences=block.confidences)
+        for i, r in enumerate(live):
+            q = None if params[r].greedy else probs_from_logits(block.logits[i, : g[i]], params[r])
+            c = None if block.confidences is None else block.confidences[i, : g[i]]
+            out[r] = Proposal(tokens=block.tokens[i, : g[i]], q=q, confidences=c)
+        return out
 
 
 DFLASH = register_strategy(DFlashStrategy())

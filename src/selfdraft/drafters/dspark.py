@@ -25,10 +25,11 @@ from selfdraft.drafters.dflash import (
     DFlashModel,
     DFlashStrategy,
     DraftBlock,
-    Pick,
+    PickMany,
     lm_logits,
     resolve_feature_layers,
     teacher_forced_blocks,
+    warm_start,
 )
 from selfdraft.drafters.layers import LayerShape
 from selfdraft.target import Target
@@ -108,27 +109,27 @@ class DSparkModel(DFlashModel):
         z = None if self.confidence is None else self._conf_logit(h, prev)
         return HeadOut(e, z)
 
-    def decode_block(self, h: torch.Tensor, U: torch.Tensor, x0: int, pick: Pick) -> DraftBlock:
-        """Serial decode (inference): h [γ, d], U [γ, V] float32, x0 the anchor.
+    def decode_blocks(self, h: torch.Tensor, U: torch.Tensor, x0: torch.Tensor, pick: PickMany) -> DraftBlock:
+        """Serial decode of R blocks at once (inference): h [R, γ, d], U [R, γ, V] float32, x0 [R].
 
         For k = 1..γ: 1. e_k, s_k from (h_k, x_{k-1}, s_{k-1}); 2. logits_k = U_k + W2 e_k;
         3. c_k = σ(z_k / T_k); 4. x_k = pick(logits_k); x_{k-1} <- x_k.
         """
-        g = U.shape[0]
-        prev = torch.tensor(x0, device=h.device)
-        s = None if self.markov is None else h.new_zeros(self.markov.rank)
+        g = U.shape[1]
+        prev = x0  # [R]
+        s = None if self.markov is None else h.new_zeros(h.shape[0], self.markov.rank)
         tokens, logits, conf = [], [], []
         for k in range(g):
-            logit = U[k]
+            logit = U[:, k]  # [R, V]
             if self.markov is not None:
-                e, s = self.markov.step(h[k], prev, s)  # [r]
-                logit = logit + self.markov.W2(e).float()  # [V]
+                e, s = self.markov.step(h[:, k], prev, s)  # [R, r]
+                logit = logit + self.markov.W2(e).float()
             if self.confidence is not None:
-                conf.append(torch.sigmoid(self._conf_logit(h[k], prev).float() / self.conf_temperature[k]))
-            prev = torch.tensor(pick(k, logit), device=h.device)
+                conf.append(torch.sigmoid(self._conf_logit(h[:, k], prev).float() / self.conf_temperature[k]))
+            prev = pick(k, logit)
             tokens.append(prev)
             logits.append(logit)
-        return DraftBlock(torch.stack(tokens), torch.stack(logits), torch.stack(conf) if conf else None)
+        return DraftBlock(torch.stack(tokens, 1), torch.stack(logits, 1), torch.stack(conf, 1) if conf else None)
 
 
 class DSparkStrategy(DFlashStrategy):
@@ -138,7 +139,7 @@ class DSparkStrategy(DFlashStrategy):
 
     def build(self, cfg: DrafterConfig, target: Target) -> DSparkModel:
         resolve_feature_layers(cfg, target)
-        return DSparkModel(cfg, LayerShape.from_hf(target.model.config), target.vocab_size)
+        return warm_start(DSparkModel(cfg, LayerShape.from_hf(target.model.config, cfg.qk_norm), target.vocab_size), cfg, target)
 
     def loss(self, model: DSparkModel, batch: Batch, target: Target, cfg: DrafterConfig, generator) -> LossOutput:
         # 1. Backbone over all blocks; heads teacher forced on ground-truth previous tokens.

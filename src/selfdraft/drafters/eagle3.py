@@ -167,7 +167,7 @@ class Eagle3Strategy(Strategy):
             cfg.feature_layers = self.default_feature_layers(target)
         if not 0 < cfg.draft_vocab_size < target.vocab_size:
             cfg.draft_vocab_size = target.vocab_size  # the full vocabulary (d2t = 0, t2d all True)
-        model = Eagle3Model(cfg, LayerShape.from_hf(target.model.config), target.vocab_size)
+        model = Eagle3Model(cfg, LayerShape.from_hf(target.model.config, cfg.qk_norm), target.vocab_size)
         model.set_vocab(model.d2t, model.t2d, target)
         return model
 

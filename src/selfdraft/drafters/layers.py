@@ -29,9 +29,10 @@ class LayerShape:
     intermediate: int
     eps: float
     rope_theta: float
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3 style; DrafterConfig.qk_norm)
 
     @classmethod
-    def from_hf(cls, cfg) -> "LayerShape":
+    def from_hf(cls, cfg, qk_norm: bool = False) -> "LayerShape":
         rope = getattr(cfg, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
         heads = cfg.num_attention_heads
@@ -43,6 +44,7 @@ class LayerShape:
             intermediate=cfg.intermediate_size,
             eps=getattr(cfg, "rms_norm_eps", 1e-6),
             rope_theta=float(theta),
+            qk_norm=qk_norm,
         )
 
 
@@ -96,20 +98,27 @@ class InjectedAttention(nn.Module):
         self.k_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=False)
         self.v_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=False)
         self.o_proj = nn.Linear(s.heads * s.head_dim, s.hidden, bias=False)
+        if s.qk_norm:  # Qwen3 layout, as vLLM's DFlash / DSpark / MTP draft layers have it
+            self.q_norm = RMSNorm(s.head_dim, s.eps)
+            self.k_norm = RMSNorm(s.head_dim, s.eps)
+
+    def _qk_norm(self, x: torch.Tensor, which: str) -> torch.Tensor:
+        """[B, n, S, d] -> the same, normalised per head when the layer has q/k norms."""
+        return getattr(self, which)(x) if self.s.qk_norm else x
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         return x.view(*x.shape[:2], n, self.s.head_dim).transpose(1, 2)  # [B, S, n·d] -> [B, n, S, d]
 
     def kv(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary) -> KV:
         """x: [B, S, H] (context C or block), positions: [B, S] -> this layer's rotated K, V."""
-        k = rotary(self._heads(self.k_proj(x), self.s.kv_heads), positions)
+        k = rotary(self._qk_norm(self._heads(self.k_proj(x), self.s.kv_heads), "k_norm"), positions)
         return KV(k, self._heads(self.v_proj(x), self.s.kv_heads))
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, ctx: KV, mask: torch.Tensor, rotary: Rotary
     ) -> torch.Tensor:
         """x: [B, Q, H] block, positions: [B, Q], ctx: K/V [B, n_kv, Tc, d], mask: [B, Q, Tc+Q] bool."""
-        q = rotary(self._heads(self.q_proj(x), self.s.heads), positions)  # [B, n_h, Q, d]
+        q = rotary(self._qk_norm(self._heads(self.q_proj(x), self.s.heads), "q_norm"), positions)  # [B, n_h, Q, d]
         kv = ctx.append(self.kv(x, positions, rotary))  # [B, n_kv, Tc+Q, d]
         out = F.scaled_dot_product_attention(
             q, kv.k.to(q.dtype), kv.v.to(q.dtype), attn_mask=mask[:, None], enable_gqa=True

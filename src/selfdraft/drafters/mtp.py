@@ -104,7 +104,7 @@ class MTPStrategy(Strategy):
         return ()  # MTP reads only the final hidden state
 
     def build(self, cfg: DrafterConfig, target: Target) -> MTPModel:
-        return MTPModel(cfg, LayerShape.from_hf(target.model.config))
+        return MTPModel(cfg, LayerShape.from_hf(target.model.config, cfg.qk_norm))
 
     def loss(self, model: MTPModel, batch: Batch, target: Target, cfg: DrafterConfig, generator) -> LossOutput:
         ids = batch.input_ids

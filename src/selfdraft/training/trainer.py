@@ -6,13 +6,22 @@ states; only the drafter's parameters are optimised (AdamW, linear warmup + cosi
 clipping, bf16 autocast, gradient accumulation). A checkpoint (DESIGN section 12) plus
 `trainer_state.pt` (optimizer, step, tokens, RNG, data position) is written atomically every
 `save_every` steps, so `resume=True` continues the exact same run after a kill.
+
+Data parallel: under `torchrun --nproc_per_node N` (WORLD_SIZE, RANK, LOCAL_RANK in the environment)
+the loop runs on N processes (gloo on CPU, NCCL on GPU). `batch_size` stays the GLOBAL micro-batch:
+every rank advances the same data cursor and takes its own batch_size / N slice, the drafter is
+wrapped in DistributedDataParallel (or sharded with FSDP, `TrainConfig.fsdp`), and rank 0 alone writes
+checkpoints, logs and the progress bar. So the optimisation trajectory does not depend on N, and a run
+resumes under another world size.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -208,6 +217,14 @@ def train(
     loading and resuming rebuild the module from the registry. `on_step` is called after every optimizer
     step (and after that step's checkpoint, if any): for logging, or to stop a run in tests.
     """
+    dist = Distributed.from_env(target, train_cfg)
+    try:
+        return _train(target, drafter_cfg, train_cfg, out_dir, strategy, resume, on_step, dist)
+    finally:
+        dist.close()
+
+
+def _train(target, drafter_cfg, train_cfg, out_dir, strategy, resume, on_step, dist: "Distributed") -> TrainResult:
     t_start = time.perf_counter()
     out_dir = Path(out_dir).resolve()
     # 1. Resolve the method, the feature layers and the data.
@@ -233,18 +250,29 @@ def train(
         raise ConfigError(f"{train_cfg.data} has no usable train records (need >= 2 tokens and a supervised token)")
 
     # 2. Build the drafter (float32 master weights; autocast runs it in bf16) and AdamW, or resume both.
-    run = _start_or_resume(target, strategy, cfg, train_cfg, out_dir, resume, len(train_seqs))
+    run = _start_or_resume(target, strategy, cfg, train_cfg, out_dir, resume, len(train_seqs), dist)
     resumed_from = run.step
     autocast = torch.autocast(target.model.device.type, dtype=torch.bfloat16, enabled=train_cfg.bf16)
     gen, model, opt, cursor = run.gen, run.model, run.opt, run.cursor
+    wrapped = dist.wrap(model, strategy, target, cfg)  # the module whose forward computes the loss (DDP / FSDP / plain)
+    if dist.fsdp:  # fully_shard replaced the parameters (DTensors): the optimizer must hold the new ones
+        run.opt = opt = _optimizer(model, train_cfg)
+    if run.opt_state is not None:  # resumed: the optimizer state, loaded after a possible FSDP sharding
+        dist.load_optimizer_state(model, opt, run.opt_state)
 
     def validate() -> None:
-        if val_seqs:
+        if val_seqs and dist.rank == 0 and not dist.fsdp:  # (FSDP: the shards live on all ranks; see _validate_all)
             run.val.append(_validate(model, strategy, target, cfg, train_cfg, val_seqs, autocast, run.step))
             v = run.val[-1]
             bar.write(f"step {v.step}: val loss {v.loss:.4f} " + " ".join(f"{k} {x:.3f}" for k, x in v.metrics.items()))
+        elif val_seqs and dist.fsdp:
+            v = _validate_all(wrapped, target, cfg, train_cfg, val_seqs, autocast, run.step, dist)
+            run.val.append(v)
+            if dist.rank == 0:
+                bar.write(f"step {v.step}: val loss {v.loss:.4f} " + " ".join(f"{k} {x:.3f}" for k, x in v.metrics.items()))
 
-    bar = tqdm(total=train_cfg.steps, initial=run.step, desc=f"train {cfg.method}", dynamic_ncols=True, disable=None)
+    bar = tqdm(total=train_cfg.steps, initial=run.step, desc=f"train {cfg.method}", dynamic_ncols=True,
+               disable=True if dist.rank else None)  # fmt: skip
     while run.step < train_cfg.steps and not (train_cfg.token_budget and run.tokens >= train_cfg.token_budget):
         # 3. One optimizer step: lr from the schedule, grad_accum micro-batches, clip, update.
         t0 = time.perf_counter()
@@ -252,21 +280,26 @@ def train(
         for group in opt.param_groups:
             group["lr"] = lr
         step_tokens, outs = 0, []
-        for _ in range(train_cfg.grad_accum):
-            seqs = [train_seqs[i] for i in cursor.take(len(train_seqs), train_cfg.batch_size, train_cfg.seed)]
-            batch = make_batch(seqs, target, cfg.feature_layers)  # the frozen target runs here, no grad
-            with autocast:
-                out = strategy.loss(model, batch, target, cfg, gen)
-            (out.loss / train_cfg.grad_accum).backward()
+        for micro in range(train_cfg.grad_accum):
+            # Every rank advances the same global cursor and keeps its own slice of the global batch.
+            idx = dist.shard(cursor.take(len(train_seqs), train_cfg.batch_size, train_cfg.seed))
+            batch = make_batch([train_seqs[i] for i in idx], target, cfg.feature_layers)  # the frozen target runs here, no grad
+            sync = dist.no_sync(wrapped) if micro + 1 < train_cfg.grad_accum else nullcontext()  # all-reduce once per step
+            with sync:
+                with autocast:
+                    out = wrapped(batch, gen)  # strategy.loss (DDP averages the gradients over ranks)
+                (out.loss / train_cfg.grad_accum).backward()
             outs.append(out)
             step_tokens += int(batch.attention_mask.sum())
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), train_cfg.grad_clip or float("inf"))
+        grad_norm = dist.clip_grad_norm(model, train_cfg.grad_clip or float("inf"))
         opt.step()
         opt.zero_grad(set_to_none=True)
+        step_tokens = dist.sum_int(step_tokens)  # tokens of the global batch (the token budget is global)
         run.step, run.tokens = run.step + 1, run.tokens + step_tokens
 
         # 4. Log, validate, checkpoint.
         loss, metrics = _mean_outputs(outs)
+        loss = dist.mean_float(loss)
         log = StepLog(run.step, lr, loss, run.tokens, float(grad_norm), step_tokens / (time.perf_counter() - t0), metrics)
         run.history.append(log)
         shown = {k: f"{v:.3f}" for k, v in metrics.items() if k in ("acc@1", "acc@2", "acc@3")}
@@ -275,7 +308,7 @@ def train(
         if train_cfg.val_every and run.step % train_cfg.val_every == 0:
             validate()
         if train_cfg.save_every and run.step % train_cfg.save_every == 0:
-            _save(run, out_dir, target, cfg, train_cfg, len(train_seqs))
+            _save(run, out_dir, target, cfg, train_cfg, len(train_seqs), dist)
         if on_step:
             on_step(log)
     bar.close()
@@ -285,7 +318,7 @@ def train(
         if not (run.val and run.val[-1].step == run.step):
             validate()
         if not (train_cfg.save_every and run.step % train_cfg.save_every == 0):
-            _save(run, out_dir, target, cfg, train_cfg, len(train_seqs))
+            _save(run, out_dir, target, cfg, train_cfg, len(train_seqs), dist)
     return TrainResult(
         out_dir=out_dir,
         steps=run.step,
@@ -311,15 +344,20 @@ class RunState:
     tokens: int = 0
     history: list[StepLog] = field(default_factory=list)
     val: list[ValLog] = field(default_factory=list)
+    opt_state: dict | None = None  # a resumed run's saved optimizer state (loaded once the module is wrapped)
 
 
 def _start_or_resume(
-    target: Target, strategy: Strategy, cfg: DrafterConfig, train_cfg: TrainConfig, out_dir: Path, resume: bool, n_train: int
+    target: Target, strategy: Strategy, cfg: DrafterConfig, train_cfg: TrainConfig, out_dir: Path, resume: bool, n_train: int,
+    dist: "Distributed | None" = None,
 ) -> RunState:
-    """A fresh run seeded by train_cfg.seed, or the run saved in out_dir restored exactly."""
+    """A fresh run seeded by train_cfg.seed, or the run saved in out_dir restored exactly (on every rank)."""
+    dist = dist or Distributed()
     torch.manual_seed(train_cfg.seed)
     gen = torch.Generator().manual_seed(train_cfg.seed)
-    recover_interrupted_save(out_dir)
+    if dist.rank == 0:
+        recover_interrupted_save(out_dir)
+    dist.barrier()
     if not (resume and (out_dir / CONFIG_FILE).exists()):
         model = strategy.build(cfg, target).to(device=target.model.device, dtype=torch.float32).train()
         strategy.prepare(model, cfg, target, train_cfg.data)  # data-dependent init (EAGLE-3 draft vocab)
@@ -327,26 +365,34 @@ def _start_or_resume(
     state = _check_resumable(out_dir, target, cfg, train_cfg, n_train)
     model = load_module(out_dir, target, dtype=torch.float32).model.train()
     opt = _optimizer(model, train_cfg)
-    opt.load_state_dict(state["optimizer"])
     gen.set_state(state["generator"])
     torch.set_rng_state(state["torch_rng"])
     history, val = _read_log(out_dir / LOG_FILE, state["step"])
     cursor = DataCursor(state["epoch"], state["index"])
-    return RunState(model, opt, gen, cursor, state["step"], state["tokens"], history, val)
+    return RunState(model, opt, gen, cursor, state["step"], state["tokens"], history, val, opt_state=state["optimizer"])
 
 
-def _save(run: RunState, out_dir: Path, target: Target, cfg: DrafterConfig, train_cfg: TrainConfig, n_train: int) -> None:
-    """Atomically write the drafter checkpoint plus trainer_state.pt (tensors and primitives only) and the log."""
-    state = {
-        "step": run.step, "tokens": run.tokens, "epoch": run.cursor.epoch, "index": run.cursor.index,
-        "n_train": n_train, "train": asdict(train_cfg), "optimizer": run.opt.state_dict(),
-        "generator": run.gen.get_state(), "torch_rng": torch.get_rng_state(),
-    }  # fmt: skip
-    with atomic_dir(out_dir) as tmp:
-        prov = provenance(train_cfg.data, run.step, run.tokens, train=asdict(train_cfg))
-        write_checkpoint_files(tmp, run.model, cfg, target, prov)
-        torch.save(state, tmp / STATE_FILE)
-        _write_log(tmp / LOG_FILE, run.history, run.val)
+def _save(run: RunState, out_dir: Path, target: Target, cfg: DrafterConfig, train_cfg: TrainConfig, n_train: int,
+          dist: "Distributed | None" = None) -> None:  # fmt: skip
+    """Atomically write the drafter checkpoint plus trainer_state.pt (tensors and primitives only) and the log.
+
+    Distributed: every rank takes part in gathering the full state (FSDP shards it), rank 0 alone
+    writes, and all ranks wait until the directory is complete.
+    """
+    dist = dist or Distributed()
+    model_state, opt_state = dist.full_state(run.model, run.opt)
+    if dist.rank == 0:
+        state = {
+            "step": run.step, "tokens": run.tokens, "epoch": run.cursor.epoch, "index": run.cursor.index,
+            "n_train": n_train, "train": asdict(train_cfg), "optimizer": opt_state,
+            "generator": run.gen.get_state(), "torch_rng": torch.get_rng_state(), "world_size": dist.world,
+        }  # fmt: skip
+        with atomic_dir(out_dir) as tmp:
+            prov = provenance(train_cfg.data, run.step, run.tokens, train=asdict(train_cfg), world_size=dist.world)
+            write_checkpoint_files(tmp, _StateView(run.model, model_state), cfg, target, prov)
+            torch.save(state, tmp / STATE_FILE)
+            _write_log(tmp / LOG_FILE, run.history, run.val)
+    dist.barrier()
 
 
 # ------------------------------------------------------------------ helpers
@@ -429,3 +475,167 @@ def _read_log(path: Path, upto: int) -> tuple[list[StepLog], list[ValLog]]:
             elif rec["step"] <= upto:
                 val.append(ValLog(**rec))
     return history, val
+
+
+# ------------------------------------------------------------------ data parallel (torchrun)
+class _LossModule(torch.nn.Module):
+    """forward(batch, gen) = strategy.loss(model, ...): the one call DDP / FSDP hook into.
+
+    Strategies call the drafter's own methods (context, backbone, step, ...), not its forward, so the
+    wrapper's forward is where DDP prepares its gradient all-reduce and FSDP gathers the shards. The
+    target is held in a plain tuple: never a submodule, never broadcast, never sharded.
+    """
+
+    def __init__(self, model: torch.nn.Module, strategy: Strategy, target: Target, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.model = model
+        self._ctx = (strategy, target, cfg)
+
+    def forward(self, batch: Batch, gen: torch.Generator) -> LossOutput:
+        strategy, target, cfg = self._ctx
+        return strategy.loss(self.model, batch, target, cfg, gen)
+
+
+class _StateView:
+    """Hands write_checkpoint_files a gathered state dict (FSDP) in place of the module."""
+
+    def __init__(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+        self.model, self.state = model, state
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.state
+
+
+@dataclass
+class Distributed:
+    """The process group of a torchrun launch (world 1 = the ordinary single-process run: every method is a no-op)."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    fsdp: bool = False
+    owns_group: bool = False  # this run initialised the group (and destroys it at the end)
+    cuda: bool = False
+
+    @classmethod
+    def from_env(cls, target: Target, train_cfg: TrainConfig) -> "Distributed":
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world <= 1:
+            if train_cfg.fsdp:
+                raise ConfigError("--fsdp shards the drafter over ranks: launch with torchrun --nproc_per_node N (N >= 2)")
+            return cls()
+        import torch.distributed as td
+
+        if train_cfg.batch_size % world:
+            raise ConfigError(
+                f"--batch-size {train_cfg.batch_size} is the global micro-batch, split over the {world} ranks: "
+                f"make it a multiple of {world}"
+            )
+        rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+        cuda = target.model.device.type == "cuda"
+        if cuda:  # one GPU per rank: the target (and with it the drafter) lives on cuda:LOCAL_RANK
+            torch.cuda.set_device(local)
+            target.model.to(f"cuda:{local}")
+        owns = not td.is_initialized()
+        if owns:
+            td.init_process_group("nccl" if cuda else "gloo")
+        return cls(rank, world, local, train_cfg.fsdp, owns, cuda)
+
+    def close(self) -> None:
+        if self.owns_group:
+            import torch.distributed as td
+
+            td.barrier()
+            td.destroy_process_group()
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            import torch.distributed as td
+
+            td.barrier()
+
+    def shard(self, idx: list[int]) -> list[int]:
+        """This rank's contiguous slice of a global batch."""
+        b = len(idx) // self.world
+        return idx[self.rank * b : (self.rank + 1) * b]
+
+    def wrap(self, model: torch.nn.Module, strategy: Strategy, target: Target, cfg: DrafterConfig) -> torch.nn.Module:
+        module = _LossModule(model, strategy, target, cfg)
+        if self.world == 1:
+            return module
+        if self.fsdp:
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(module)  # one unit: parameters, gradients and optimizer state sharded over the ranks
+            return module
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(module, device_ids=[self.local_rank] if self.cuda else None, broadcast_buffers=False,
+                   find_unused_parameters=True)  # fmt: skip
+
+    def no_sync(self, wrapped: torch.nn.Module):
+        """Skip the gradient all-reduce of a micro-batch that is not the step's last (DDP)."""
+        return wrapped.no_sync() if hasattr(wrapped, "no_sync") and not self.fsdp else nullcontext()
+
+    def _reduce(self, value: float, dtype: torch.dtype) -> float:
+        import torch.distributed as td
+
+        t = torch.tensor([value], dtype=dtype, device=f"cuda:{self.local_rank}" if self.cuda else "cpu")
+        td.all_reduce(t)
+        return t.item()
+
+    def sum_int(self, value: int) -> int:
+        return value if self.world == 1 else int(self._reduce(value, torch.int64))
+
+    def mean_float(self, value: float) -> float:
+        return value if self.world == 1 else self._reduce(value, torch.float64) / self.world
+
+    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        if self.fsdp and hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    def full_state(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
+        """Model and optimizer state with every FSDP shard gathered (a collective: all ranks call it)."""
+        if not self.fsdp:
+            return model.state_dict(), opt.state_dict()
+        from torch.distributed.tensor import DTensor
+
+        full = lambda t: t.full_tensor().cpu() if isinstance(t, DTensor) else t  # noqa: E731
+        model_state = {k: full(v) for k, v in model.state_dict().items()}
+        osd = opt.state_dict()
+        osd = {**osd, "state": {i: {k: full(v) for k, v in st.items()} for i, st in osd["state"].items()}}
+        return model_state, osd
+
+    def load_optimizer_state(self, model: torch.nn.Module, opt: torch.optim.Optimizer, saved: dict) -> None:
+        """Load a full (unsharded) optimizer state; under FSDP each state tensor is sharded like its parameter."""
+        if self.fsdp:
+            from torch.distributed.tensor import DTensor, distribute_tensor
+
+            params = [p for p in model.parameters() if p.requires_grad]  # the order _optimizer registered them in
+            state = {}
+            for i, st in saved["state"].items():
+                p = params[int(i)]
+                state[i] = {
+                    k: distribute_tensor(v.to(p.device), p.device_mesh, p.placements)
+                    if isinstance(p, DTensor) and v.shape == p.shape else v
+                    for k, v in st.items()
+                }  # fmt: skip
+            saved = {**saved, "state": state}
+        opt.load_state_dict(saved)
+
+
+@torch.no_grad()
+def _validate_all(wrapped, target, cfg, train_cfg, val_seqs, autocast, step, dist: Distributed) -> ValLog:
+    """Validation through the wrapped module on every rank (FSDP: the forward gathers the shards)."""
+    wrapped.eval()
+    gen = torch.Generator().manual_seed(train_cfg.seed + 1)
+    outs = []
+    for i in range(0, len(val_seqs), train_cfg.batch_size):
+        batch = make_batch(val_seqs[i : i + train_cfg.batch_size], target, cfg.feature_layers)
+        with autocast:
+            outs.append(wrapped(batch, gen))
+    wrapped.train()
+    loss, metrics = _mean_outputs(outs)
+    return ValLog(step, loss, metrics)

@@ -1,0 +1,533 @@
+"""Interop with the `speculators` checkpoint format that vLLM loads (DESIGN section 12).
+
+A speculators checkpoint is a directory with
+  config.json        {"speculators_model_type": eagle3 | dflash | dspark | mtp, "architectures",
+                      "transformer_layer_config": {HF layer config}, "speculators_config": {algorithm,
+                      proposal_methods, default_proposal_method, verifier: {name_or_path, architectures}},
+                      + per-method fields (draft_vocab_size, block_size, aux_hidden_state_layer_ids, ...)}
+  model.safetensors  the draft weights under the names vLLM's / speculators' modules use.
+
+`export_speculators` writes one from a selfdraft checkpoint; `load_speculators` maps one (ours, or a
+drafter released for a target elsewhere) onto our modules and returns an inference `Drafter`.
+
+Each method has one small table (`METHODS`): regex rules that rename our state-dict keys to the
+speculators names (the reverse mapping is the same table inverted over the built module's keys, so
+the two directions cannot drift apart), the layer's HF model_type and the per-method config fields.
+
+Conventions (checked against speculators 0.9.0 and vLLM's loaders):
+- Layer ids: speculators / vLLM count the embedding output as 0 (`aux id i` = HF hidden_states[i] =
+  the input of decoder layer i); ours are 0-based decoder-layer outputs. So aux id = ours + 1.
+- EAGLE-3: Llama layer (`layers.0.*`; vLLM also reads `midlayer.*`), `fc`, `norm`, `lm_head` over the
+  draft vocabulary, `d2t` (int64 offsets, target = draft + d2t[draft]) and `t2d` (bool mask);
+  `norm_before_residual: false` (our residual is the un-normed fused feature).
+- DFlash / DSpark: Qwen3 layers `layers.N.*`, `fc`, `hidden_norm` (our context_norm), `norm`; full
+  target vocabulary (no lm_head, d2t, t2d: the target's own head is used). vLLM embeds the mask slots
+  as `embed_tokens[mask_token_id]`, but our mask embedding is a learned vector, not a vocabulary row:
+  the export ships `embed_tokens.weight` = the target's embedding with row `mask_token_id` replaced by
+  it (vLLM then uses the draft's own embedding table), plus `mask_embedding` itself. DSpark heads:
+  `markov_head.markov_w1 / markov_w2 / gate_proj / joint_proj`, `confidence_head.proj`.
+- MTP: speculators' MTPDraftModel layout `mtp_layers.D.{token_layernorm, hidden_layernorm, input_proj,
+  final_layernorm}` + a Qwen3 decoder layer.
+- vLLM's DFlash, DSpark and MTP layers are Qwen3 layers (per-head q/k RMSNorm). A drafter trained
+  without `qk_norm` still exports (our importer reads it exactly: `selfdraft.qk_norm` is recorded), but
+  vLLM would run it with unit q/k norms, i.e. a different function: still lossless, fewer accepted
+  drafts. Train with `{"drafter": {"qk_norm": true}}` for a checkpoint vLLM runs exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from selfdraft.checkpoint import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    CheckpointError,
+    atomic_dir,
+    check_target,
+    load_module,
+    read_config,
+)
+from selfdraft.config import EMBEDDED_TARGET, ConfigError, DrafterConfig
+from selfdraft.drafters.layers import LayerShape
+
+if TYPE_CHECKING:
+    from selfdraft.drafters.base import Drafter
+    from selfdraft.target import Target
+
+SPECULATORS_KEY = "speculators_model_type"
+SPECULATORS_VERSION = "0.9.0"  # the speculators release whose config classes the export is validated against
+HF_IDS = {EMBEDDED_TARGET: "HuggingFaceTB/SmolLM2-135M-Instruct"}  # verifier name_or_path vLLM can fetch
+# Tensors a speculators checkpoint may carry that our modules take from the target instead.
+SHARED_TENSORS = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight")
+
+
+# ------------------------------------------------------------------ the per-method tables
+@dataclass(frozen=True)
+class MethodMap:
+    """How one of our methods looks in the speculators format."""
+
+    method: str  # ours == speculators_model_type
+    architecture: str  # speculators' "architectures" entry
+    rules: tuple[tuple[str, str], ...]  # (regex on our state-dict key, replacement): the first match renames it
+    layer_model_type: Callable[[DrafterConfig], str]  # transformer_layer_config.model_type
+    fields: Callable[[DrafterConfig, "Target"], dict]  # method-specific config.json fields
+    from_fields: Callable[[dict, "Target"], dict]  # speculators config -> DrafterConfig overrides
+    config_only: tuple[str, ...] = ()  # our state keys stored in config.json instead (not vLLM weights)
+
+
+METHODS: dict[str, MethodMap] = {}
+
+
+def register_method(m: MethodMap) -> MethodMap:
+    METHODS[m.method] = m
+    return m
+
+
+def _aux_ids(cfg: DrafterConfig) -> list[int]:
+    return [i + 1 for i in cfg.feature_layers]
+
+
+def _feature_layers(spec: dict, key: str, target: "Target") -> tuple[int, ...]:
+    ids = spec.get(key)
+    if not ids:
+        raise CheckpointError(f"speculators config lacks {key}: which target layers the drafter reads")
+    if any(not 1 <= i <= target.num_layers - 1 for i in ids):
+        raise CheckpointError(
+            f"{key} {ids} do not fit the target's {target.num_layers} layers (selfdraft reads decoder-layer "
+            f"outputs 1..{target.num_layers - 1} in speculators numbering)"
+        )
+    return tuple(i - 1 for i in ids)
+
+
+def _proposal_tokens(spec: dict) -> int:
+    return int(spec["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
+
+
+_LAYER_RULES = (
+    (r"^(layers\.\d+\.(input_layernorm|post_attention_layernorm|self_attn\.[qkvo]_proj|self_attn\.[qk]_norm|"
+     r"mlp\.(gate|up|down)_proj)\.weight)$", r"\1"),
+)  # fmt: skip
+
+DFLASH_RULES = (
+    *_LAYER_RULES,
+    (r"^context_norm\.weight$", "hidden_norm.weight"),
+    (r"^(fc|norm)\.weight$", r"\1.weight"),
+    (r"^mask_embedding$", "mask_embedding"),
+)
+
+
+def _dflash_fields(cfg: DrafterConfig, target: "Target") -> dict:
+    return {
+        "draft_vocab_size": target.vocab_size,
+        "target_hidden_size": target.hidden_size,
+        "block_size": cfg.gamma + (0 if cfg.anchor_as_first else 1),
+        "aux_hidden_state_layer_ids": _aux_ids(cfg),
+        "sample_from_anchor": cfg.anchor_as_first,
+    }
+
+
+def _dflash_from(spec: dict, target: "Target") -> dict:
+    if spec.get("draft_vocab_size") not in (None, target.vocab_size):
+        raise CheckpointError(
+            f"{spec[SPECULATORS_KEY]} drafter with a reduced draft vocabulary ({spec['draft_vocab_size']} of "
+            f"{target.vocab_size}): selfdraft's DFlash/DSpark use the target's full LM head; not supported"
+        )
+    anchor_first = bool(spec.get("sample_from_anchor", spec[SPECULATORS_KEY] == "dspark"))
+    block = int(spec.get("block_size") or _proposal_tokens(spec) + (0 if anchor_first else 1))
+    return dict(
+        gamma=block if anchor_first else block - 1,
+        anchor_as_first=anchor_first,
+        feature_layers=_feature_layers(spec, "aux_hidden_state_layer_ids", target),
+    )
+
+
+def _dspark_fields(cfg: DrafterConfig, target: "Target") -> dict:
+    return {
+        **_dflash_fields(cfg, target),
+        "markov_rank": cfg.markov_rank,
+        "markov_head_type": cfg.markov_head,
+        "enable_confidence_head": cfg.confidence_head,
+        "confidence_head_with_markov": cfg.confidence_head and cfg.markov_rank > 0,
+    }
+
+
+def _dspark_from(spec: dict, target: "Target") -> dict:
+    rank = int(spec.get("markov_rank", 256))
+    conf = bool(spec.get("enable_confidence_head", True))
+    if conf and bool(spec.get("confidence_head_with_markov", True)) != (rank > 0):
+        raise CheckpointError(
+            "selfdraft's DSpark confidence head reads [h; W1[prev]] exactly when the Markov head exists; this "
+            f"checkpoint has markov_rank {rank} and confidence_head_with_markov "
+            f"{spec.get('confidence_head_with_markov')}: not supported"
+        )
+    return {**_dflash_from(spec, target), "markov_rank": rank, "markov_head": spec.get("markov_head_type", "vanilla"),
+            "confidence_head": conf}  # fmt: skip
+
+
+register_method(MethodMap(
+    "dflash", "DFlashSpeculator", DFLASH_RULES, lambda cfg: "qwen3", _dflash_fields, _dflash_from,
+))  # fmt: skip
+register_method(MethodMap(
+    "dspark", "DSparkSpeculator",
+    (
+        *DFLASH_RULES,
+        (r"^markov\.W1\.weight$", "markov_head.markov_w1.weight"),
+        (r"^markov\.W2\.weight$", "markov_head.markov_w2.weight"),
+        (r"^markov\.W_g\.(weight|bias)$", r"markov_head.gate_proj.\1"),
+        (r"^markov\.W_z\.(weight|bias)$", r"markov_head.joint_proj.\1"),
+        (r"^confidence\.(weight|bias)$", r"confidence_head.proj.\1"),
+    ),
+    lambda cfg: "qwen3", _dspark_fields, _dspark_from, config_only=("conf_temperature",),
+))  # fmt: skip
+
+
+def _eagle3_fields(cfg: DrafterConfig, target: "Target") -> dict:
+    return {
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": target.hidden_size,
+        "eagle_aux_hidden_state_layer_ids": _aux_ids(cfg),
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+    }
+
+
+def _eagle3_from(spec: dict, target: "Target") -> dict:
+    for key in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
+        if spec.get(key):
+            raise CheckpointError(f"EAGLE-3 variant with {key}=true: selfdraft's EAGLE-3 layer does not implement it")
+    n_layers = spec.get("transformer_layer_config", {}).get("num_hidden_layers", 1)
+    if n_layers != 1:
+        raise CheckpointError(f"EAGLE-3 drafter with {n_layers} layers: selfdraft's EAGLE-3 head has exactly one")
+    return dict(
+        gamma=_proposal_tokens(spec),
+        draft_vocab_size=int(spec.get("draft_vocab_size") or target.vocab_size),
+        feature_layers=_feature_layers(spec, "eagle_aux_hidden_state_layer_ids", target),
+    )
+
+
+register_method(MethodMap(
+    "eagle3", "Eagle3Speculator",
+    (
+        (r"^layer\.(input_layernorm|hidden_norm|post_attention_layernorm|self_attn\.[qkvo]_proj|self_attn\.[qk]_norm|"
+         r"mlp\.(gate|up|down)_proj)\.weight$", r"layers.0.\1.weight"),
+        (r"^(fc|norm|lm_head)\.weight$", r"\1.weight"),
+        (r"^(d2t|t2d)$", r"\1"),
+    ),
+    lambda cfg: "qwen3" if cfg.qk_norm else "llama", _eagle3_fields, _eagle3_from,
+))  # fmt: skip
+
+
+def _mtp_fields(cfg: DrafterConfig, target: "Target") -> dict:
+    return {"num_nextn_predict_layers": cfg.mtp_modules}
+
+
+def _mtp_from(spec: dict, target: "Target") -> dict:
+    return dict(gamma=_proposal_tokens(spec), feature_layers=(), mtp_modules=int(spec.get("num_nextn_predict_layers", 1)),
+                mtp_recursive=True)  # fmt: skip
+
+
+register_method(MethodMap(
+    "mtp", "MTPDraftModel",
+    (
+        (r"^layers\.(\d+)\.enorm\.weight$", r"mtp_layers.\1.token_layernorm.weight"),
+        (r"^layers\.(\d+)\.hnorm\.weight$", r"mtp_layers.\1.hidden_layernorm.weight"),
+        (r"^layers\.(\d+)\.eh_proj\.weight$", r"mtp_layers.\1.input_proj.weight"),
+        (r"^layers\.(\d+)\.norm\.weight$", r"mtp_layers.\1.final_layernorm.weight"),
+        (r"^layers\.(\d+)\.block\.(input_layernorm|post_attention_layernorm|self_attn\.[qkvo]_proj|self_attn\.[qk]_norm|"
+         r"mlp\.(gate|up|down)_proj)\.weight$", r"mtp_layers.\1.\2.weight"),
+    ),
+    lambda cfg: "qwen3", _mtp_fields, _mtp_from,
+))  # fmt: skip
+
+
+def speculators_name(method: str, key: str) -> str:
+    """Our state-dict key -> the speculators weight name (raises for a key the table does not cover)."""
+    for pattern, repl in METHODS[method].rules:
+        if re.match(pattern, key):
+            return re.sub(pattern, repl, key)
+    raise CheckpointError(f"no speculators name for {method} weight {key!r}: extend METHODS[{method!r}].rules")
+
+
+def name_map(method: str, model: torch.nn.Module) -> dict[str, str]:
+    """{our key: speculators name} over the module's state (minus the config-only entries)."""
+    skip = METHODS[method].config_only
+    return {k: speculators_name(method, k) for k in model.state_dict() if k not in skip}
+
+
+# ------------------------------------------------------------------ config.json
+def layer_config(cfg: DrafterConfig, target: "Target", model_type: str) -> dict:
+    """transformer_layer_config: the HF config of the draft layers (as wide as the target)."""
+    s = LayerShape.from_hf(target.model.config)
+    n_layers = {"eagle3": 1, "mtp": target.num_layers}.get(cfg.method, cfg.num_layers)
+    return {
+        "model_type": model_type,
+        "vocab_size": target.vocab_size,
+        "hidden_size": s.hidden,
+        "intermediate_size": s.intermediate,
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": s.heads,
+        "num_key_value_heads": s.kv_heads,
+        "head_dim": s.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": s.eps,
+        "rope_theta": s.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": s.rope_theta},
+        "max_position_embeddings": int(target.max_context),
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+    }
+
+
+def verifier_of(target: "Target") -> dict:
+    name = HF_IDS.get(target.name, target.name)
+    return {"name_or_path": name, "architectures": list(getattr(target.model.config, "architectures", None) or [])}
+
+
+def speculators_config(cfg: DrafterConfig, target: "Target", extra: dict) -> dict:
+    """The whole config.json of an exported drafter (speculators fields + a `selfdraft` block)."""
+    m = METHODS[cfg.method]
+    return {
+        "architectures": [m.architecture],
+        SPECULATORS_KEY: cfg.method,
+        "speculators_version": SPECULATORS_VERSION,
+        "speculators_config": {
+            "algorithm": cfg.method,
+            "proposal_methods": [
+                {"proposal_type": "greedy", "speculative_tokens": cfg.gamma, "verifier_accept_k": 1, "accept_tolerance": 0.0}
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": verifier_of(target),
+        },
+        "transformer_layer_config": layer_config(cfg, target, m.layer_model_type(cfg)),
+        **m.fields(cfg, target),
+        **extra,
+    }
+
+
+# ------------------------------------------------------------------ export
+def _stored_dtype(dir: Path) -> torch.dtype:
+    with safe_open(str(dir / WEIGHTS_FILE), "pt") as f:
+        for k in f.keys():
+            t = f.get_slice(k)
+            dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(t.get_dtype())
+            if dtype is not None:
+                return dtype
+    return torch.float32
+
+
+def export_speculators(src_dir: str | Path, out_dir: str | Path, target: "Target", mask_token_id: int | None = None) -> Path:
+    """Write the speculators-format checkpoint of the selfdraft drafter in `src_dir` to `out_dir` (atomically).
+
+    `target` must be the drafter's target (checked by fingerprint): DFlash/DSpark exports carry its
+    embedding with the mask row replaced (see the module docstring), and every export names it as the
+    verifier. `mask_token_id` (DFlash/DSpark): the vocabulary row that stands for the mask slots in
+    vLLM; default: the last id. Pick an id the target never generates: if an anchor ever is that token,
+    its drafts get worse (never the output: verification stays lossless).
+    """
+    src_dir = Path(src_dir)
+    meta = read_config(src_dir)
+    check_target(meta, target, src_dir)
+    method = meta["method"]
+    if method not in METHODS:
+        raise CheckpointError(f"{src_dir} holds a {method!r} drafter; speculators export covers {sorted(METHODS)}")
+    module = load_module(src_dir, target, dtype=_stored_dtype(src_dir))
+    model, cfg = module.model, module.cfg
+    state = model.state_dict()
+    tensors = {name: state[k].detach().contiguous().cpu() for k, name in name_map(method, model).items()}
+    extra: dict = {"selfdraft": {"qk_norm": cfg.qk_norm, "drafter": asdict(cfg), "target": meta["target"],
+                                 "provenance": meta.get("provenance", {})}}  # fmt: skip
+    if method in ("dflash", "dspark"):
+        mask_id = target.vocab_size - 1 if mask_token_id is None else mask_token_id
+        if not 0 <= mask_id < target.vocab_size:
+            raise ConfigError(f"mask_token_id {mask_id} is outside the target vocabulary (0..{target.vocab_size - 1})")
+        embed = target.model.get_input_embeddings().weight.detach().to("cpu", tensors["mask_embedding"].dtype).clone()
+        embed[mask_id] = tensors["mask_embedding"]
+        tensors["embed_tokens.weight"] = embed
+        extra["mask_token_id"] = mask_id
+    if method == "dspark":
+        extra["selfdraft"]["confidence_temperatures"] = [float(t) for t in state["conf_temperature"]]
+    if method in ("dflash", "dspark", "mtp") and not cfg.qk_norm:
+        print(
+            f"warning: this {method} drafter has no per-head q/k norms; vLLM's {method} layers (Qwen3) do, so vLLM "
+            "would run a different drafter (still lossless, fewer accepted tokens). selfdraft imports it exactly. "
+            'Train with --config \'{"drafter": {"qk_norm": true}}\' for a vLLM-exact export.',
+            file=sys.stderr,
+        )
+    config = speculators_config(cfg, target, extra)
+    config["torch_dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.") if tensors else "float32"
+    with atomic_dir(out_dir) as tmp:
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+    return Path(out_dir).resolve()
+
+
+# ------------------------------------------------------------------ import
+def is_speculators_dir(dir: str | Path) -> bool:
+    """A directory whose config.json names a speculators_model_type."""
+    path = Path(dir) / CONFIG_FILE
+    try:
+        return path.is_file() and SPECULATORS_KEY in json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, TypeError):
+        return False
+
+
+def _read_tensors(dir: Path) -> dict[str, torch.Tensor]:
+    files = sorted(dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{dir} has no .safetensors weights (selfdraft loads speculators checkpoints from safetensors only)")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), "pt") as sf:
+                for k in sf.keys():
+                    out[k.removeprefix("model.")] = sf.get_tensor(k)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{f} is corrupt or truncated ({e})") from e
+    return {k.replace("midlayer.", "layers.0."): v for k, v in out.items()}
+
+
+def check_verifier(spec: dict, target: "Target", dir: Path) -> None:
+    """Refuse a target other than the drafter's verifier, naming both.
+
+    Exports from selfdraft carry our target identity (fingerprint of the embedding / LM head): exact check.
+    Other checkpoints: shapes and architectures must match; a differing name only warns (a local copy
+    of a model has another path than its hub id).
+    """
+    ver = spec.get("speculators_config", {}).get("verifier", {}) or {}
+    ours = (spec.get("selfdraft") or {}).get("target")
+    if ours:
+        check_target({"target": ours}, target, dir)
+        return
+    tl = spec.get("transformer_layer_config", {}) or {}
+    trained = {
+        "name": ver.get("name_or_path"),
+        "architectures": ver.get("architectures") or [],
+        "hidden_size": spec.get("target_hidden_size") or tl.get("hidden_size"),
+        "vocab_size": tl.get("vocab_size"),
+    }
+    given = {
+        "name": HF_IDS.get(target.name, target.name),
+        "architectures": list(getattr(target.model.config, "architectures", None) or []),
+        "hidden_size": target.hidden_size,
+        "vocab_size": target.vocab_size,
+    }
+    diff = [k for k in ("hidden_size", "vocab_size") if trained[k] is not None and trained[k] != given[k]]
+    if trained["architectures"] and given["architectures"] and trained["architectures"] != given["architectures"]:
+        diff.append("architectures")
+    if diff:
+        raise CheckpointError(
+            f"speculators drafter {dir} was trained for verifier {trained['name']} ({trained['architectures']}, hidden "
+            f"{trained['hidden_size']}, vocab {trained['vocab_size']}), but the given target is {given['name']} "
+            f"({given['architectures']}, hidden {given['hidden_size']}, vocab {given['vocab_size']}); differs in "
+            f"{', '.join(diff)}: load its verifier with --target"
+        )
+    short = lambda n: str(n or "").rstrip("/").split("/")[-1].lower()  # noqa: E731
+    if trained["name"] and short(trained["name"]) != short(given["name"]):
+        print(f"warning: {dir} was made for verifier {trained['name']}; running it on {given['name']} "
+              "(same shapes and architecture)", file=sys.stderr)  # fmt: skip
+
+
+def _check_shape(spec: dict, target: "Target", dir: Path) -> LayerShape:
+    s = LayerShape.from_hf(target.model.config)
+    tl = spec.get("transformer_layer_config", {}) or {}
+    theirs = {
+        "hidden_size": (tl.get("hidden_size"), s.hidden),
+        "num_attention_heads": (tl.get("num_attention_heads"), s.heads),
+        "num_key_value_heads": (tl.get("num_key_value_heads"), s.kv_heads),
+        "head_dim": (tl.get("head_dim") or (tl["hidden_size"] // tl["num_attention_heads"] if tl.get("num_attention_heads") else None), s.head_dim),
+        "intermediate_size": (tl.get("intermediate_size"), s.intermediate),
+    }
+    bad = {k: v for k, v in theirs.items() if v[0] is not None and v[0] != v[1]}
+    theta = (tl.get("rope_parameters") or {}).get("rope_theta", tl.get("rope_theta"))
+    if theta is not None and abs(float(theta) - s.rope_theta) > 1e-6 * s.rope_theta:
+        bad["rope_theta"] = (theta, s.rope_theta)
+    if tl.get("rms_norm_eps") is not None and abs(tl["rms_norm_eps"] - s.eps) > 1e-12:
+        bad["rms_norm_eps"] = (tl["rms_norm_eps"], s.eps)
+    if bad:
+        raise CheckpointError(
+            f"{dir}: draft layers differ from the target's shape (checkpoint, target): {bad}; selfdraft's draft "
+            "layers are as wide as the target"
+        )
+    return s
+
+
+def load_speculators_module(dir: str | Path, target: "Target") -> tuple[torch.nn.Module, DrafterConfig]:
+    """A speculators checkpoint -> (our module with its weights, in the target's dtype, eval mode; its DrafterConfig)."""
+    from selfdraft.training.strategy import STRATEGIES
+    import selfdraft.drafters  # noqa: F401  (fills STRATEGIES)
+
+    dir = Path(dir)
+    try:
+        spec = json.loads((dir / CONFIG_FILE).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{dir / CONFIG_FILE} is missing or corrupt ({e})") from e
+    method = spec.get(SPECULATORS_KEY)
+    if method not in METHODS:
+        raise CheckpointError(f"{dir} is a speculators {method!r} checkpoint; selfdraft imports {sorted(METHODS)}")
+    if not spec.get("speculators_config", {}).get("proposal_methods"):
+        raise CheckpointError(f"{dir / CONFIG_FILE} lacks speculators_config.proposal_methods")
+    check_verifier(spec, target, dir)
+    _check_shape(spec, target, dir)
+    tensors = _read_tensors(dir)
+    mine = spec.get("selfdraft") or {}
+    qk_norm = mine.get("qk_norm", any(".q_norm." in k for k in tensors))
+    n_layers = (spec.get("transformer_layer_config") or {}).get("num_hidden_layers", 1)
+    overrides = dict(method=method, qk_norm=bool(qk_norm), **METHODS[method].from_fields(spec, target))
+    if method in ("dflash", "dspark"):
+        overrides["num_layers"] = int(n_layers)
+    base = mine.get("drafter")
+    try:
+        cfg = DrafterConfig(**{**(base or {}), **overrides}) if base else DrafterConfig(**overrides)
+    except (ConfigError, TypeError) as e:
+        raise CheckpointError(f"{dir / CONFIG_FILE}: cannot map onto a selfdraft {method} drafter: {e}") from e
+    strategy = STRATEGIES[method]
+    model = strategy.build(cfg, target).float()
+    names = name_map(method, model)
+    state = {}
+    missing = []
+    for ours, theirs in names.items():
+        if theirs in tensors:
+            state[ours] = tensors.pop(theirs)
+        elif ours in ("d2t", "t2d") and cfg.draft_vocab_size == target.vocab_size:
+            pass  # full draft vocabulary: the identity mapping the module starts with
+        elif ours == "mask_embedding":  # the mask slots' vocabulary row (ours ship it separately too)
+            mask_id = spec.get("mask_token_id")
+            if mask_id is None:
+                raise CheckpointError(f"{dir}: a {method} checkpoint needs mask_token_id (or a mask_embedding tensor)")
+            table = tensors.get("embed_tokens.weight")
+            state[ours] = table[mask_id] if table is not None else target.embed(torch.tensor(mask_id, device=target.model.device)).cpu()
+        else:
+            missing.append(theirs)
+    if "conf_temperature" in model.state_dict():
+        temps = mine.get("confidence_temperatures") or [1.0] * cfg.gamma
+        state["conf_temperature"] = torch.tensor(temps, dtype=torch.float32)
+    unexpected = sorted(k for k in tensors if k not in SHARED_TENSORS)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{dir}: weights do not match a selfdraft {method} drafter (missing {missing[:8]}, unexpected {unexpected[:8]})"
+        )
+    try:
+        own = model.state_dict()
+        model.load_state_dict({**own, **{k: v.to(own[k].dtype) for k, v in state.items()}}, strict=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"{dir}: weight shapes do not fit a {method} drafter for this target: {e}") from e
+    return model.to(target.model.dtype).eval(), cfg
+
+
+def load_speculators(dir: str | Path, target: "Target") -> "Drafter":
+    """A speculators-format drafter directory -> an inference `Drafter` for `target` (its verifier)."""
+    from selfdraft.training.strategy import STRATEGIES
+
+    model, cfg = load_speculators_module(dir, target)
+    return STRATEGIES[cfg.method].drafter(model, cfg, target)
