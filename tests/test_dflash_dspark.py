@@ -290,3 +290,46 @@ def test_init_from_target_copies_the_last_layers(target, method):
     assert torch.equal(model.norm.weight, base.norm.weight.float())
     feats = torch.randn(1, 3, len(FEATS), H)
     assert torch.allclose(model.fc(feats.flatten(2)), feats[:, :, -1])  # the deepest feature layer passes through
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_draft_vocabulary_restriction_is_exact_and_lossless(target, method):
+    """With a draft vocabulary the drafts stay inside it, q is the full-vocabulary computation masked
+    to it (so verification stays exact), and greedy decoding still equals plain greedy."""
+    model, cfg = make(method, target, gamma=4, markov_rank=8)
+    ids = torch.arange(0, V, 2)  # every other token
+    prompt = [5, 17, 3, 42, 8, 8, 61]
+    full, small = (STRATEGIES[method].drafter(model, cfg, target) for _ in range(2))
+    small.restrict_vocab(ids)
+    params = SamplingParams(temperature=1.0, top_k=20)
+    for d in (full, small):
+        d.begin(prompt[:-1], target.forward(torch.tensor([prompt[:-1]]), None, FEATS))
+    prop = small.propose(prompt, 4, params, torch.Generator().manual_seed(0))
+    assert all(int(t) % 2 == 0 for t in prop.tokens)
+    # reference: the full-vocabulary logits along the same drafts, -inf outside the draft vocabulary
+    h = full.draft_states(prompt, 4)
+    blk = model.decode_block(h, lm_logits(target, h), prompt[-1], lambda k, logits: int(prop.tokens[k]))
+    masked = torch.full_like(blk.logits, float("-inf"))
+    masked[:, ids] = blk.logits[:, ids]
+    from selfdraft.sampling import probs_from_logits
+
+    assert torch.allclose(prop.q, probs_from_logits(masked, params), atol=1e-5)
+    plain = generate(target, REGISTRY["none"](target), prompt, SamplingParams(), GenerationConfig(max_new_tokens=20))
+    res = generate(target, small, prompt, SamplingParams(), GenerationConfig(max_new_tokens=20, gamma=4))
+    assert res.token_ids == plain.token_ids
+
+
+def test_checkpoint_draft_vocabulary_file_is_loaded(target, tmp_path):
+    from selfdraft.checkpoint import DRAFT_VOCAB_FILE, CheckpointError, load_checkpoint, save_checkpoint
+    from selfdraft.training.data import DraftVocab
+
+    model, cfg = make("dspark", target, gamma=4, markov_rank=8)
+    save_checkpoint(tmp_path / "d", model, cfg, target, provenance={})
+    assert load_checkpoint(tmp_path / "d", target).vocab is None
+    t2d = torch.arange(V) % 3 == 0
+    ids = t2d.nonzero().flatten()
+    DraftVocab(ids - torch.arange(ids.numel()), t2d).save(tmp_path / "d" / DRAFT_VOCAB_FILE)
+    assert load_checkpoint(tmp_path / "d", target).vocab.tolist() == ids.tolist()
+    (tmp_path / "d" / DRAFT_VOCAB_FILE).write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="draft vocabulary"):
+        load_checkpoint(tmp_path / "d", target)

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 FORMAT, VERSION = "selfdraft-drafter", 1
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"  # optional: DraftVocab (d2t, t2d) the drafter drafts among
 
 
 class CheckpointError(ConfigError):
@@ -268,4 +269,13 @@ def load_checkpoint(dir: str | Path, target: "Target") -> "Drafter":
         return load_speculators(dir, target)
 
     model, cfg = load_module(dir, target)
-    return STRATEGIES[cfg.method].drafter(model, cfg, target)
+    drafter = STRATEGIES[cfg.method].drafter(model, cfg, target)
+    vocab = Path(dir) / DRAFT_VOCAB_FILE
+    if vocab.exists():  # optional: draft among the most frequent answer tokens only (DFlash / DSpark)
+        from selfdraft.training.data import DraftVocab
+
+        try:
+            drafter.restrict_vocab(DraftVocab.load(vocab).target_ids)
+        except (SafetensorError, OSError, KeyError, ConfigError) as e:
+            raise CheckpointError(f"{vocab}: unusable draft vocabulary ({e}); delete it to draft over the full vocabulary") from e
+    return drafter

@@ -109,6 +109,12 @@ class TrainedDrafter(Drafter):
         self.name = cfg.method
         self.feature_layers = tuple(cfg.feature_layers)
 
+    def restrict_vocab(self, ids: torch.Tensor) -> None:
+        """Draft only among the target ids `ids` (a checkpoint's draft_vocab.safetensors)."""
+        from selfdraft.config import ConfigError
+
+        raise ConfigError(f"{self.name} drafters do not take an inference draft vocabulary")
+
 
 DrafterFactory = Callable[..., Drafter]
 REGISTRY: dict[str, DrafterFactory] = {}

@@ -110,10 +110,15 @@ class DFlashModel(nn.Module):
         h = self.norm(x).view(B, A, L, H)
         return h[:, :, self.offset : self.offset + self.gamma]  # [B, A, γ, H]
 
-    def decode_blocks(self, h: torch.Tensor, U: torch.Tensor, x0: torch.Tensor, pick: PickMany) -> DraftBlock:
-        """DFlash drafts are independent given the block: logits_k = U_k. h: [R, γ, H], U: [R, γ, V], x0: [R]."""
-        tokens = torch.stack([pick(k, U[:, k]) for k in range(U.shape[1])], dim=1)  # [R, γ]
-        return DraftBlock(tokens, U, None)
+    def decode_blocks(
+        self, h: torch.Tensor, U: torch.Tensor, x0: torch.Tensor, pick: PickMany, vocab: torch.Tensor | None = None
+    ) -> DraftBlock:
+        """DFlash drafts are independent given the block: logits_k = U_k. h: [R, γ, H], U: [R, γ, V'], x0: [R].
+
+        vocab: [V'] target ids when U covers only a draft vocabulary (pick returns indices into it;
+        the block's tokens are target ids, its logits stay over the V' columns)."""
+        idx = torch.stack([pick(k, U[:, k]) for k in range(U.shape[1])], dim=1)  # [R, γ]
+        return DraftBlock(idx if vocab is None else vocab[idx], U, None)
 
     def decode_block(self, h: torch.Tensor, U: torch.Tensor, x0: int, pick: Pick) -> DraftBlock:
         """One block (h: [γ, H], U: [γ, V]): `decode_blocks` with R = 1."""
@@ -122,8 +127,11 @@ class DFlashModel(nn.Module):
         return DraftBlock(b.tokens[0], b.logits[0], None if b.confidences is None else b.confidences[0])
 
 
-def lm_logits(target: Target, h: torch.Tensor) -> torch.Tensor:
-    """U = target LM head (frozen, shared) on drafter states: [..., H] -> [..., V] float32."""
+def lm_logits(target: Target, h: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """U = target LM head (frozen, shared) on drafter states: [..., H] -> [..., V] float32, or only
+    over the draft vocabulary whose LM-head rows [V', H] are given -> [..., V']."""
+    if rows is not None:
+        return F.linear(h.to(rows.dtype), rows).float()
     w_dtype = target.model.get_output_embeddings().weight.dtype
     return target.lm_head(h.to(w_dtype)).float()
 
@@ -219,6 +227,20 @@ class DFlashDrafter(TrainedDrafter):
         super().__init__(model, cfg, target)
         self.ctx: list[KV] = []
         self.ctx_len = 0
+        self.vocab: torch.Tensor | None = None  # [V'] draft vocabulary (target ids), None = all V
+        self.lm_rows: torch.Tensor | None = None  # [V', H] the target's LM-head rows of self.vocab
+
+    def restrict_vocab(self, ids: torch.Tensor) -> None:
+        """Draft only among `ids` ([V'] target ids, e.g. the 8,192 most frequent answer tokens, which
+        cover ~99 % of them). The LM head and Markov bias over V' rows instead of V are most of a
+        draft round's cost. Lossless: q is exactly the distribution the drafts are drawn from (zero
+        outside ids); only the target's mass outside ids can no longer be drafted."""
+        V = self.target.vocab_size
+        ids = torch.as_tensor(ids, dtype=torch.long).unique()  # sorted
+        if ids.numel() == 0 or int(ids[0]) < 0 or int(ids[-1]) >= V:
+            raise ConfigError(f"a draft vocabulary needs target ids in [0, {V}), got {ids.numel()} ids")
+        self.vocab = ids
+        self.lm_rows = self.target.model.get_output_embeddings().weight[ids].detach()
 
     @torch.inference_mode()
     def _append(self, features: torch.Tensor) -> None:
@@ -236,8 +258,9 @@ class DFlashDrafter(TrainedDrafter):
     def observe(self, verification, step: TargetStep) -> None:
         self._append(step.features[0])  # [n_accepted + 1, n_feat, H]: old anchor + accepted drafts
 
-    def batch_key(self) -> int:
-        return id(self.model)  # copies of one loaded drafter share weights: they draft together
+    def batch_key(self) -> tuple[int, int]:
+        # copies of one loaded drafter share weights (and draft vocabulary): they draft together
+        return id(self.model), id(self.vocab)
 
     @torch.inference_mode()
     def draft_states(self, tokens: list[int], g: int) -> torch.Tensor:
@@ -288,7 +311,8 @@ class DFlashDrafter(TrainedDrafter):
         g = [min(gammas[r], drafters[r].cfg.gamma) for r in live]
         # 1. Backbone states and logits U_k of every live request's block.
         h = DFlashDrafter.draft_states_many([drafters[r] for r in live], [tokens[r] for r in live])[:, : max(g)]
-        U = lm_logits(target, h)  # [R', γ, V]
+        vocab, rows = drafters[live[0]].vocab, drafters[live[0]].lm_rows  # shared by a batch_key group
+        U = lm_logits(target, h, rows)  # [R', γ, V'] (V' = V without a draft vocabulary)
         # 2. Left-to-right choice of x_k (DSpark adds the Markov bias and c_k inside decode_blocks);
         #    positions past a request's own γ_r are filled greedily and cut, drawing no randomness.
 
@@ -300,10 +324,12 @@ class DFlashDrafter(TrainedDrafter):
             ])
 
         x0 = torch.tensor([tokens[r][-1] for r in live], device=h.device)
-        block = model.decode_blocks(h, U, x0, pick)
-        # 3. q_k is exactly what x_k was sampled from (one-hot when greedy: q = None).
+        block = model.decode_blocks(h, U, x0, pick, vocab)
+        # 3. q_k is exactly what x_k was sampled from (one-hot when greedy: q = None), over all V.
         for i, r in enumerate(live):
             q = None if params[r].greedy else probs_from_logits(block.logits[i, : g[i]], params[r])
+            if q is not None and vocab is not None:
+                q = q.new_zeros(g[i], target.vocab_size).index_copy_(1, vocab, q)
             c = None if block.confidences is None else block.confidences[i, : g[i]]
             out[r] = Proposal(tokens=block.tokens[i, : g[i]], q=q, confidences=c)
         return out

@@ -109,24 +109,29 @@ class DSparkModel(DFlashModel):
         z = None if self.confidence is None else self._conf_logit(h, prev)
         return HeadOut(e, z)
 
-    def decode_blocks(self, h: torch.Tensor, U: torch.Tensor, x0: torch.Tensor, pick: PickMany) -> DraftBlock:
-        """Serial decode of R blocks at once (inference): h [R, γ, d], U [R, γ, V] float32, x0 [R].
+    def decode_blocks(
+        self, h: torch.Tensor, U: torch.Tensor, x0: torch.Tensor, pick: PickMany, vocab: torch.Tensor | None = None
+    ) -> DraftBlock:
+        """Serial decode of R blocks at once (inference): h [R, γ, d], U [R, γ, V'] float32, x0 [R].
+        vocab: [V'] target ids when U covers only a draft vocabulary (B_k then too).
 
         For k = 1..γ: 1. e_k, s_k from (h_k, x_{k-1}, s_{k-1}); 2. logits_k = U_k + W2 e_k;
         3. c_k = σ(z_k / T_k); 4. x_k = pick(logits_k); x_{k-1} <- x_k.
         """
         g = U.shape[1]
-        prev = x0  # [R]
+        prev = x0  # [R] target ids
         s = None if self.markov is None else h.new_zeros(h.shape[0], self.markov.rank)
+        W2 = None if self.markov is None else self.markov.W2.weight if vocab is None else self.markov.W2.weight[vocab]
         tokens, logits, conf = [], [], []
         for k in range(g):
-            logit = U[:, k]  # [R, V]
+            logit = U[:, k]  # [R, V']
             if self.markov is not None:
                 e, s = self.markov.step(h[:, k], prev, s)  # [R, r]
-                logit = logit + self.markov.W2(e).float()
+                logit = logit + F.linear(e, W2).float()
             if self.confidence is not None:
                 conf.append(torch.sigmoid(self._conf_logit(h[:, k], prev).float() / self.conf_temperature[k]))
-            prev = pick(k, logit)
+            idx = pick(k, logit)
+            prev = idx if vocab is None else vocab[idx]
             tokens.append(prev)
             logits.append(logit)
         return DraftBlock(torch.stack(tokens, 1), torch.stack(logits, 1), torch.stack(conf, 1) if conf else None)
