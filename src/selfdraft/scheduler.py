@@ -166,14 +166,13 @@ class Scheduler:
             self._warned = True
         scored = [r for r, p in enumerate(proposals) if p.confidences is not None and full[r] > 0]
         conf = [proposals[r].confidences for r in scored]
+        base = len(proposals) + sum(full[r] for r in blind)  # anchors + blind drafts, verified anyway
         if self.kind == "threshold":
             picked = threshold_lengths(conf, self.threshold)
         elif self.padded:
             floor = max((full[r] for r in blind), default=0)
-            base = len(proposals) + sum(full[r] for r in blind)
             picked = padded_lengths(conf, with_overhead(self.cost, overhead_s), len(proposals), floor, base)
         else:
-            base = len(proposals) + sum(full[r] for r in blind)
             picked = hardware_lengths(conf, with_overhead(self.cost, overhead_s), base=base)
         out = [full[r] if r in blind else 0 for r in range(len(proposals))]
         for r, n in zip(scored, picked):

@@ -316,7 +316,11 @@ class DFlashDrafter(TrainedDrafter):
         # 2. Left-to-right choice of x_k (DSpark adds the Markov bias and c_k inside decode_blocks);
         #    positions past a request's own γ_r are filled greedily and cut, drawing no randomness.
 
+        all_greedy = all(params[r].greedy for r in live)
+
         def pick(k: int, logits: torch.Tensor) -> torch.Tensor:  # [R', V] -> [R']
+            if all_greedy:  # the common case: one batched argmax
+                return logits.argmax(-1)
             return torch.stack([
                 logits[i].argmax() if params[r].greedy or k >= g[i]
                 else sample(probs_from_logits(logits[i], params[r]), generators[r])

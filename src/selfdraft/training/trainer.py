@@ -261,15 +261,18 @@ def _train(target, drafter_cfg, train_cfg, out_dir, strategy, resume, on_step, d
         dist.load_optimizer_state(model, opt, run.opt_state)
 
     def validate() -> None:
-        if val_seqs and dist.rank == 0 and not dist.fsdp:  # (FSDP: the shards live on all ranks; see _validate_all)
-            run.val.append(_validate(model, strategy, target, cfg, train_cfg, val_seqs, autocast, run.step))
-            v = run.val[-1]
+        # Rank 0 alone on the plain model; with FSDP the shards live on every rank, so all validate
+        # through the wrapper (its forward gathers them).
+        if not val_seqs or (dist.rank and not dist.fsdp):
+            return
+        if dist.fsdp:
+            v = _validate(wrapped, wrapped, target, cfg, train_cfg, val_seqs, autocast, run.step)
+        else:
+            loss_fn = lambda b, g: strategy.loss(model, b, target, cfg, g)  # noqa: E731
+            v = _validate(model, loss_fn, target, cfg, train_cfg, val_seqs, autocast, run.step)
+        run.val.append(v)
+        if dist.rank == 0:
             bar.write(f"step {v.step}: val loss {v.loss:.4f} " + " ".join(f"{k} {x:.3f}" for k, x in v.metrics.items()))
-        elif val_seqs and dist.fsdp:
-            v = _validate_all(wrapped, target, cfg, train_cfg, val_seqs, autocast, run.step, dist)
-            run.val.append(v)
-            if dist.rank == 0:
-                bar.write(f"step {v.step}: val loss {v.loss:.4f} " + " ".join(f"{k} {x:.3f}" for k, x in v.metrics.items()))
 
     bar = tqdm(total=train_cfg.steps, initial=run.step, desc=f"train {cfg.method}", dynamic_ncols=True,
                disable=True if dist.rank else None)  # fmt: skip
@@ -421,19 +424,20 @@ def _mean_outputs(outs: list[LossOutput]) -> tuple[float, dict[str, float]]:
 
 
 @torch.no_grad()
-def _validate(model, strategy, target, cfg, train_cfg, val_seqs, autocast, step) -> ValLog:
+def _validate(module, loss_fn, target, cfg, train_cfg, val_seqs, autocast, step) -> ValLog:
     """Mean loss and metrics on the fixed validation sequences, with a fixed sampling seed.
 
-    A separate generator keeps validation from changing the training run's random stream.
+    loss_fn(batch, gen) -> LossOutput; `module` is put in eval mode meanwhile. A separate generator
+    keeps validation from changing the training run's random stream.
     """
-    model.eval()
+    module.eval()
     gen = torch.Generator().manual_seed(train_cfg.seed + 1)
     outs = []
     for i in range(0, len(val_seqs), train_cfg.batch_size):
         batch = make_batch(val_seqs[i : i + train_cfg.batch_size], target, cfg.feature_layers)
         with autocast:
-            outs.append(strategy.loss(model, batch, target, cfg, gen))
-    model.train()
+            outs.append(loss_fn(batch, gen))
+    module.train()
     loss, metrics = _mean_outputs(outs)
     return ValLog(step, loss, metrics)
 
@@ -624,18 +628,3 @@ class Distributed:
                 }  # fmt: skip
             saved = {**saved, "state": state}
         opt.load_state_dict(saved)
-
-
-@torch.no_grad()
-def _validate_all(wrapped, target, cfg, train_cfg, val_seqs, autocast, step, dist: Distributed) -> ValLog:
-    """Validation through the wrapped module on every rank (FSDP: the forward gathers the shards)."""
-    wrapped.eval()
-    gen = torch.Generator().manual_seed(train_cfg.seed + 1)
-    outs = []
-    for i in range(0, len(val_seqs), train_cfg.batch_size):
-        batch = make_batch(val_seqs[i : i + train_cfg.batch_size], target, cfg.feature_layers)
-        with autocast:
-            outs.append(wrapped(batch, gen))
-    wrapped.train()
-    loss, metrics = _mean_outputs(outs)
-    return ValLog(step, loss, metrics)
