@@ -361,6 +361,8 @@ def test_feature_cache_round_trip_and_resume(tmp_path, chat_target):
         feats, last = compute_features(chat_target, seq.input_ids[None], (0, 1))
         torch.testing.assert_close(seq.features, feats.to(torch.bfloat16))
         torch.testing.assert_close(seq.last_hidden, last.to(torch.bfloat16))
+        lse = torch.logsumexp(chat_target.lm_head(seq.last_hidden.to(last.dtype)).float(), -1)  # p_t's log-partition
+        torch.testing.assert_close(seq.lse, lse)
         assert seq.features.dtype == torch.bfloat16 and seq.features.shape[1:] == (2, 16)
 
     first_shard = (out / "shard-00000.safetensors").stat().st_mtime_ns

@@ -333,3 +333,78 @@ def test_checkpoint_draft_vocabulary_file_is_loaded(target, tmp_path):
     (tmp_path / "d" / DRAFT_VOCAB_FILE).write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match="draft vocabulary"):
         load_checkpoint(tmp_path / "d", target)
+
+
+# --------------------------------------------------------------------------- draft-vocabulary training
+def _vocab_model(target, ids, **kw):
+    model, cfg = make("dspark", target, gamma=3, markov_rank=8, anchors_per_seq=4, loss_vocab_size=len(ids), **kw)
+    model.draft_ids.copy_(ids)
+    return model, cfg
+
+
+@pytest.mark.parametrize("cached_lse", [False, True])
+def test_draft_vocabulary_loss_equals_full_vocabulary_loss(target, cached_lse):
+    """Training over V' (LM head rows of V', p_t from the log-partition, one bucket for the mass outside
+    V') gives exactly the full-vocabulary losses of a drafter whose logits are -inf outside V'."""
+    ids = torch.arange(0, V, 2)  # V' = every other token
+    model, cfg = _vocab_model(target, ids)
+    batch = make_batch(target, regenerate=True)
+    if cached_lse:
+        batch.lse = torch.logsumexp(target.lm_head(batch.last_hidden).float(), -1)  # as the feature cache stores it
+    out = STRATEGIES["dspark"].loss(model, batch, target, cfg, torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        tf = teacher_forced_blocks(model, batch, target, cfg, torch.Generator().manual_seed(7))
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[ids] = False
+    sums = {"ce": 0.0, "ce_w": 0.0, "tv": 0.0, "w": 0.0}
+    B, A, G = tf.valid.shape
+    with torch.no_grad():
+        for b in range(B):
+            for a in range(A):
+                t = int(tf.src[b, a, 0])
+                x = batch.input_ids[b, t : t + G + 1].tolist() + [0] * G
+                blk = model.decode_block(tf.h[b, a], lm_logits(target, tf.h[b, a]), x[0], lambda k, logits: x[k + 1])
+                for k in range(G):
+                    if not tf.valid[b, a, k]:
+                        continue
+                    w = math.exp(-k / cfg.loss_decay)
+                    p_d = torch.softmax(blk.logits[k].masked_fill(outside, float("-inf")), -1)  # zero outside V'
+                    p_t = torch.softmax(target.lm_head(batch.last_hidden[b, t + k]), -1)  # full vocabulary
+                    sums["tv"] += w * float((p_d - p_t).abs().sum())
+                    sums["w"] += w
+                    if not outside[x[k + 1]]:
+                        sums["ce"] += w * -math.log(p_d[x[k + 1]].item())
+                        sums["ce_w"] += w
+    assert abs(out.metrics["tv"] - sums["tv"] / sums["w"]) < 1e-4
+    assert abs(out.metrics["ce"] - sums["ce"] / sums["ce_w"]) < 1e-4
+
+
+def test_draft_vocabulary_loss_with_all_tokens_equals_the_full_path(target):
+    """V' = V: the draft-vocabulary path and the full-vocabulary path give the same loss and metrics."""
+    batch = make_batch(target, regenerate=True)
+    small, cfg_s = _vocab_model(target, torch.arange(V))
+    full, cfg_f = make("dspark", target, gamma=3, markov_rank=8, anchors_per_seq=4)
+    full.load_state_dict({k: v for k, v in small.state_dict().items() if k != "draft_ids"})
+    a = STRATEGIES["dspark"].loss(small, batch, target, cfg_s, torch.Generator().manual_seed(3))
+    b = STRATEGIES["dspark"].loss(full, batch, target, cfg_f, torch.Generator().manual_seed(3))
+    assert abs(a.loss.item() - b.loss.item()) < 1e-5
+    assert all(abs(a.metrics[k] - b.metrics[k]) < 1e-5 for k in b.metrics)
+
+
+def test_trained_draft_vocabulary_and_target_mask_row_travel_with_the_checkpoint(target, tmp_path):
+    """A drafter trained over V' drafts among V' after loading; with mask_token_id its mask slots are
+    the target's embedding row (not a saved tensor), as vLLM builds them."""
+    from selfdraft.checkpoint import load_checkpoint, save_checkpoint
+
+    ids = torch.arange(1, V, 3)
+    model, cfg = _vocab_model(target, ids, mask_token_id=7)
+    assert "mask_embedding" not in model.state_dict() and "draft_ids" in model.state_dict()
+    assert torch.equal(model.mask_embedding, target.embed(torch.tensor([7]))[0].float())
+    save_checkpoint(tmp_path / "d", model, cfg, target, provenance={})
+    d = load_checkpoint(tmp_path / "d", target)
+    assert d.vocab.tolist() == ids.tolist() and torch.equal(d.model.mask_embedding, model.mask_embedding)
+    prompt = [5, 17, 3, 42, 8, 8, 61]
+    plain = generate(target, REGISTRY["none"](target), prompt, SamplingParams(), GenerationConfig(max_new_tokens=16))
+    res = generate(target, d, prompt, SamplingParams(), GenerationConfig(max_new_tokens=16, gamma=3))
+    assert res.token_ids == plain.token_ids
+    assert all(int(t) in set(ids.tolist()) for r in res.rounds for t in getattr(r, "draft_tokens", []))

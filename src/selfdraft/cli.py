@@ -228,6 +228,30 @@ def data_regenerate(
           f"peak RSS {summary.peak_rss_mb:.0f} MB -> {out}", file=sys.stderr)
 
 
+@data_app.command("original")
+def data_original(
+    out: Path = typer.Option(..., "--out", "-o", help="dataset directory (records as from `data regenerate`)"),
+    source: str = typer.Option("sharegpt", "--source", help="sharegpt (the bundled file) or a ShareGPT-style .json"),
+    limit: int = typer.Option(5000, "--limit", help="conversations to import"),
+    max_seq_len: int = typer.Option(512, "--max-seq-len", help="truncate each conversation to N tokens"),
+    val_fraction: float = typer.Option(0.02, "--val-fraction"),
+    target: Optional[str] = TargetOpt,
+) -> None:
+    """Original ShareGPT answers as contexts (no generation); `data features` then adds the target's labels."""
+    from selfdraft.target import Target, TargetError
+    from selfdraft.training.data import DataError
+    from selfdraft.training.original import import_original
+
+    try:
+        tgt = Target.load(target)
+        s = import_original(tgt, out, limit, source, max_seq_len, val_fraction)
+    except (ConfigError, TargetError, DataError, OSError) as e:
+        _fail(str(e))
+    print(f"{s.written} conversations written ({s.skipped_existing} already there, {s.too_long_prompt} prompts too long, "
+          f"{s.duplicates} duplicates, {s.malformed} malformed) in {s.wall_s:.0f}s -> {out}\n"
+          f"next: selfdraft data features {out} --out FEATS", file=sys.stderr)
+
+
 @data_app.command("features")
 def data_features(
     data: Path = typer.Argument(..., help="regenerated dataset directory"),
@@ -237,7 +261,9 @@ def data_features(
     split: Optional[str] = typer.Option(None, "--split", help="train | val (default: both)"),
     max_seq_len: int = typer.Option(2048, "--max-seq-len", help="truncate longer conversations"),
     shard_tokens: int = typer.Option(65536, "--shard-tokens", help="tokens per safetensors shard"),
+    batch_size: int = typer.Option(4, "--batch-size", "-b", help="sequences per target forward"),
     threads: int = typer.Option(2, "--threads"),
+    dtype: str = typer.Option("float32", "--dtype", help="target dtype while computing (float32 is faster on CPU)"),
     yes: bool = typer.Option(False, "--yes", "-y", help="do not ask before writing"),
 ) -> None:
     """Cache the target's feature-layer and final hidden states per token (bf16 safetensors)."""
@@ -249,9 +275,9 @@ def data_features(
 
     torch.set_num_threads(threads)
     try:
-        tgt = Target.load(target)
+        tgt = Target.load(target, dtype=dtype)
         layers = tuple(int(x) for x in feature_layers.split(",")) if feature_layers else tgt.default_feature_layers()
-        spec = FeatureSpec(feature_layers=layers, max_seq_len=max_seq_len, shard_tokens=shard_tokens)
+        spec = FeatureSpec(feature_layers=layers, max_seq_len=max_seq_len, shard_tokens=shard_tokens, batch_size=batch_size)
         size = estimate_bytes(data, tgt, spec, split)
         print(f"feature cache for layers {layers}: about {size / 1e9:.2f} GB in {out}", file=sys.stderr)
         if not yes and sys.stdin.isatty() and not typer.confirm("continue?", default=True):
@@ -346,12 +372,15 @@ def train_cmd(
     val_batches: Optional[int] = typer.Option(None, "--val-batches"),
     save_every: Optional[int] = typer.Option(None, "--save-every", help="0 = only at the end"),
     seed: Optional[int] = typer.Option(None, "--seed"),
-    bf16: Optional[bool] = typer.Option(None, "--bf16/--no-bf16", help="bf16 autocast (default on)"),
+    bf16: Optional[bool] = typer.Option(None, "--bf16/--no-bf16", help="bf16 autocast (default off: fp32 is faster on CPUs without bf16 units)"),
     features: Optional[str] = typer.Option(None, "--features", help="online (target runs during training)"),
     fsdp: Optional[bool] = typer.Option(None, "--fsdp/--ddp", help="under torchrun: shard the drafter (FSDP) or replicate it (DDP, default)"),
     resume: bool = typer.Option(True, "--resume/--no-resume", help="continue the run saved in --out"),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
-    dtype: str = DtypeOpt,
+    dtype: str = typer.Option("float32", "--dtype", help="target dtype: float32 (CPU default: faster here) or bfloat16"),
+    mask_token_id: Optional[int] = typer.Option(None, "--mask-token-id", help="DFlash/DSpark: mask slots use this target embedding row (-1 = learned)"),
+    loss_vocab_size: Optional[int] = typer.Option(None, "--loss-vocab-size", help="DFlash/DSpark: train and draft over the N most frequent answer tokens (0 = all)"),
+    qk_norm: Optional[bool] = typer.Option(None, "--qk-norm/--no-qk-norm", help="per-head q/k RMSNorm (the layout vLLM builds)"),
 ) -> None:
     """Train a self-drafter on the target's own answers; the checkpoint loads with `--drafter OUT`."""
     import torch
@@ -370,7 +399,8 @@ def train_cmd(
             dict(method=method, gamma=gamma, num_layers=layers, feature_layers=layer_ids, anchor_as_first=anchor_as_first,
                  markov_rank=markov_rank, markov_head=markov_head, confidence_head=confidence_head, w_ce=w_ce,
                  w_tv=w_tv, w_conf=w_conf, loss_decay=loss_decay, anchors_per_seq=anchors_per_seq, init_from_target=init_from_target,
-                 draft_vocab_size=draft_vocab_size, mtp_modules=mtp_modules, mtp_recursive=mtp_recursive),
+                 draft_vocab_size=draft_vocab_size, mtp_modules=mtp_modules, mtp_recursive=mtp_recursive,
+                 mask_token_id=mask_token_id, loss_vocab_size=loss_vocab_size, qk_norm=qk_norm),
             dict(data=data, features=features, steps=steps, token_budget=token_budget, batch_size=batch_size,
                  grad_accum=grad_accum, max_seq_len=max_seq_len, lr=lr, warmup_steps=warmup_steps,
                  min_lr_ratio=min_lr_ratio, weight_decay=weight_decay, grad_clip=grad_clip, bf16=bf16,

@@ -26,7 +26,15 @@ from selfdraft.drafters.layers import KV, InjectedDecoderLayer, LayerShape, RMSN
 from selfdraft.sampling import probs_from_logits, sample
 from selfdraft.target import Target, TargetStep
 from selfdraft.training.masks import block_attention_mask, block_positions, sample_anchors
-from selfdraft.training.objectives import accuracy_at_k, position_weights, weighted_mean
+from selfdraft.training.objectives import (
+    VocabLoss,
+    accuracy_at_k,
+    l1_distance,
+    position_weights,
+    target_probs,
+    vocab_losses,
+    weighted_mean,
+)
 from selfdraft.training.strategy import Batch, LossOutput, Strategy, register_strategy
 
 Pick = Callable[[int, torch.Tensor], int]  # (k, logits_k [V]) -> chosen draft token x_k
@@ -53,7 +61,13 @@ class DFlashModel(nn.Module):
         H = shape.hidden
         self.fc = nn.Linear(len(cfg.feature_layers) * H, H, bias=False)
         self.context_norm = RMSNorm(H, shape.eps)
-        self.mask_embedding = nn.Parameter(torch.randn(H) * 0.02)  # learnable, not a vocab token
+        if cfg.mask_token_id < 0:
+            self.mask_embedding = nn.Parameter(torch.randn(H) * 0.02)  # learnable, not a vocab token
+        else:  # the target's embedding row of mask_token_id (vLLM's layout): filled by attach_target, not saved
+            self.register_buffer("mask_embedding", torch.zeros(H), persistent=False)
+        # [V'] ascending target ids the LM head and losses run over (cfg.loss_vocab_size); None = all V
+        n = cfg.loss_vocab_size
+        self.register_buffer("draft_ids", torch.zeros(n, dtype=torch.long) if n else None)
         self.layers = nn.ModuleList(InjectedDecoderLayer(shape) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(H, shape.eps)
         self.rotary = Rotary(shape.head_dim, shape.rope_theta)
@@ -73,9 +87,14 @@ class DFlashModel(nn.Module):
         src = list(layers)[-len(self.layers):]
         for mine, theirs in zip(self.layers, src):
             try:
-                mine.load_state_dict(theirs.state_dict())
+                missing, unexpected = mine.load_state_dict(theirs.state_dict(), strict=False)
             except RuntimeError as e:
                 raise ConfigError(f"init_from_target: the target's layers do not match a Llama layer: {e}") from None
+            # q/k norms (qk_norm) have no counterpart in a Llama layer: they start at 1 (identity scale)
+            extra = [k for k in missing if not k.endswith(("q_norm.weight", "k_norm.weight"))]
+            if extra or unexpected:
+                raise ConfigError(f"init_from_target: the target's layers do not match a Llama layer "
+                                  f"(missing {extra}, unexpected {unexpected})")
         self.norm.weight.copy_(norm.weight)
         H = self.norm.weight.shape[0]
         self.fc.weight.zero_()
@@ -137,9 +156,31 @@ def lm_logits(target: Target, h: torch.Tensor, rows: torch.Tensor | None = None)
 
 
 def warm_start(model: "DFlashModel", cfg: DrafterConfig, target: Target) -> "DFlashModel":
+    """Attach what the module takes from the target (a mask embedding row), then the optional warm start."""
+    V = target.vocab_size
+    if cfg.mask_token_id >= V or cfg.loss_vocab_size > V:
+        raise ConfigError(f"mask_token_id ({cfg.mask_token_id}) and loss_vocab_size ({cfg.loss_vocab_size}) "
+                          f"must not exceed the target's vocabulary ({V} tokens; mask ids below it)")
+    if cfg.mask_token_id >= 0:
+        with torch.no_grad():
+            row = target.embed(torch.tensor([cfg.mask_token_id], device=target.model.device))[0]
+            model.mask_embedding.copy_(row.float())
     if cfg.init_from_target:
         model.init_from_target(target)
     return model
+
+
+def prepare_draft_vocab(model: "DFlashModel", cfg: DrafterConfig, target: Target, data_dir: str) -> None:
+    """Fill model.draft_ids with the cfg.loss_vocab_size most frequent answer tokens of the training data."""
+    if not cfg.loss_vocab_size:
+        return
+    from pathlib import Path
+
+    from selfdraft.training.data import DraftVocab, build_draft_vocab
+
+    path = Path(data_dir) / f"draft_vocab_{cfg.loss_vocab_size}.safetensors"
+    vocab = DraftVocab.load(path) if path.exists() else build_draft_vocab(data_dir, cfg.loss_vocab_size, target.vocab_size)
+    model.draft_ids.copy_(vocab.target_ids.to(model.draft_ids.device))
 
 
 def resolve_feature_layers(cfg: DrafterConfig, target: Target) -> tuple[int, ...]:
@@ -163,6 +204,39 @@ class TeacherForced:
     def k_idx(self) -> torch.Tensor:
         """[N] 0-based block index of every valid position (flattened like `x[self.valid]`)."""
         return torch.arange(self.gold.shape[-1], device=self.gold.device).expand_as(self.gold)[self.valid]
+
+    def target_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, ...] per-position target values -> [N, ...] read at t+k-1 of every valid position
+        (where p_t for draft k lives)."""
+        b = torch.arange(self.src.shape[0], device=self.src.device)[:, None, None].expand_as(self.src)
+        return x[b[self.valid], self.src[self.valid]]
+
+
+def draft_losses(
+    model: "DFlashModel", target: Target, batch: Batch, tf: TeacherForced, bias: torch.Tensor | None, with_l1: bool
+) -> VocabLoss:
+    """Draft logits U_k (+ bias B_k) at the N valid positions and their losses against p_t.
+
+    bias: [N, V] (full vocabulary) or the low-rank factors' product computed by the caller, None for
+    DFlash. Over a draft vocabulary (model.draft_ids) only V' logits are formed (objectives.vocab_losses);
+    otherwise the full [N, V] distributions, as in the papers.
+    """
+    h = tf.h[tf.valid]  # [N, H]
+    gold = tf.gold[tf.valid]  # [N]
+    ids = model.draft_ids
+    if ids is not None:
+        rows = target.model.get_output_embeddings().weight[ids].detach()  # [V', H] frozen
+        logits = lm_logits(target, h, rows) + (0 if bias is None else bias)  # [N, V']
+        t2d = torch.full((target.vocab_size,), -1, dtype=torch.long, device=ids.device)
+        t2d[ids] = torch.arange(ids.numel(), device=ids.device)
+        h_t = tf.target_rows(batch.last_hidden) if with_l1 else None
+        lse = tf.target_rows(batch.target_lse(target)) if with_l1 else None
+        return vocab_losses(logits, rows, ids, t2d, h_t, lse, gold)
+    logits = lm_logits(target, h) + (0 if bias is None else bias)  # [N, V]
+    logp = torch.log_softmax(logits, dim=-1)
+    l1 = l1_distance(logp.exp(), target_probs(target, tf.target_rows(batch.last_hidden))) if with_l1 else None
+    ce = -logp.gather(1, gold[:, None]).squeeze(1)
+    return VocabLoss(l1=l1, ce=ce, ce_rows=torch.ones_like(gold, dtype=torch.bool), pred=logits.argmax(-1))
 
 
 def teacher_forced_blocks(
@@ -201,13 +275,16 @@ class DFlashStrategy(Strategy):
         resolve_feature_layers(cfg, target)
         return warm_start(DFlashModel(cfg, LayerShape.from_hf(target.model.config, cfg.qk_norm)), cfg, target)
 
+    def prepare(self, model: DFlashModel, cfg: DrafterConfig, target: Target, data_dir: str) -> None:
+        prepare_draft_vocab(model, cfg, target, data_dir)
+
     def loss(self, model, batch: Batch, target: Target, cfg: DrafterConfig, generator) -> LossOutput:
         tf = teacher_forced_blocks(model, batch, target, cfg, generator)
         k_idx, gold = tf.k_idx(), tf.gold[tf.valid]  # [N], [N]
-        logits = lm_logits(target, tf.h[tf.valid])  # [N, V] U_k
-        w = position_weights(cfg.gamma, cfg.loss_decay, logits.device)
-        ce = weighted_mean(F.cross_entropy(logits, gold, reduction="none"), k_idx, w)
-        metrics = {"ce": ce.item(), **accuracy_at_k(logits.argmax(-1), gold, k_idx, cfg.gamma)}
+        d = draft_losses(model, target, batch, tf, None, with_l1=False)  # U_k over V (or V')
+        w = position_weights(cfg.gamma, cfg.loss_decay, gold.device)
+        ce = weighted_mean(d.ce, k_idx[d.ce_rows], w)
+        metrics = {"ce": ce.item(), **accuracy_at_k(d.pred, gold, k_idx, cfg.gamma)}
         return LossOutput(loss=ce, tokens=int(gold.numel()), metrics=metrics)
 
     def drafter(self, model: DFlashModel, cfg: DrafterConfig, target: Target) -> "DFlashDrafter":
@@ -229,6 +306,8 @@ class DFlashDrafter(TrainedDrafter):
         self.ctx_len = 0
         self.vocab: torch.Tensor | None = None  # [V'] draft vocabulary (target ids), None = all V
         self.lm_rows: torch.Tensor | None = None  # [V', H] the target's LM-head rows of self.vocab
+        if self.model.draft_ids is not None:  # trained over a draft vocabulary: draft among it
+            self.restrict_vocab(self.model.draft_ids)
 
     def restrict_vocab(self, ids: torch.Tensor) -> None:
         """Draft only among `ids` ([V'] target ids, e.g. the 8,192 most frequent answer tokens, which

@@ -26,21 +26,14 @@ from selfdraft.drafters.dflash import (
     DFlashStrategy,
     DraftBlock,
     PickMany,
-    lm_logits,
+    draft_losses,
     resolve_feature_layers,
     teacher_forced_blocks,
     warm_start,
 )
 from selfdraft.drafters.layers import LayerShape
 from selfdraft.target import Target
-from selfdraft.training.objectives import (
-    accuracy_at_k,
-    confidence_labels,
-    l1_distance,
-    position_weights,
-    target_probs,
-    weighted_mean,
-)
+from selfdraft.training.objectives import accuracy_at_k, confidence_labels, position_weights, weighted_mean
 from selfdraft.training.strategy import Batch, LossOutput, register_strategy
 
 
@@ -151,20 +144,17 @@ class DSparkStrategy(DFlashStrategy):
         tf = teacher_forced_blocks(model, batch, target, cfg, generator)
         heads = model.heads(tf.h, tf.prev)
         sel, k_idx, gold = tf.valid, tf.k_idx(), tf.gold[tf.valid]  # N valid positions
-        # 2. Draft logits U_k + B_k and distributions p_d; target p_t from the frozen LM head.
-        logits = lm_logits(target, tf.h[sel])  # [N, V]
+        # 2. Draft logits U_k + B_k (B_k = W2 e_k, over V' rows of W2 with a draft vocabulary) vs p_t.
+        bias = None
         if heads.e is not None:
-            logits = logits + model.markov.W2(heads.e[sel]).float()
-        logp_d = torch.log_softmax(logits, dim=-1)
-        p_d = logp_d.exp()
-        b_idx = torch.arange(tf.src.shape[0], device=gold.device)[:, None, None].expand_as(tf.src)
-        p_t = target_probs(target, batch.last_hidden[b_idx[sel], tf.src[sel]])  # [N, V]
+            W2 = model.markov.W2.weight if model.draft_ids is None else model.markov.W2.weight[model.draft_ids]
+            bias = F.linear(heads.e[sel], W2).float()  # [N, V or V']
+        d = draft_losses(model, target, batch, tf, bias, with_l1=True)
         # 3. The three position-weighted parts.
-        w = position_weights(cfg.gamma, cfg.loss_decay, logits.device)
-        l_ce = weighted_mean(-logp_d.gather(1, gold[:, None]).squeeze(1), k_idx, w)
-        l1 = l1_distance(p_d, p_t)  # [N] ||p_d,k - p_t,k||_1
-        l_tv = weighted_mean(l1, k_idx, w)
-        label = confidence_labels(l1)  # [N] c*_k, detached
+        w = position_weights(cfg.gamma, cfg.loss_decay, gold.device)
+        l_ce = weighted_mean(d.ce, k_idx[d.ce_rows], w)
+        l_tv = weighted_mean(d.l1, k_idx, w)  # ||p_d,k - p_t,k||_1
+        label = confidence_labels(d.l1)  # [N] c*_k, detached
         loss = cfg.w_ce * l_ce + cfg.w_tv * l_tv
         metrics = {"ce": l_ce.item(), "tv": l_tv.item(), "alpha": float(weighted_mean(label, k_idx, w))}
         if heads.z is not None:
@@ -172,7 +162,7 @@ class DSparkStrategy(DFlashStrategy):
             l_conf = weighted_mean(bce, k_idx, w)
             loss = loss + cfg.w_conf * l_conf
             metrics["conf"] = l_conf.item()
-        metrics.update(accuracy_at_k(logits.argmax(-1), gold, k_idx, cfg.gamma))
+        metrics.update(accuracy_at_k(d.pred, gold, k_idx, cfg.gamma))
         return LossOutput(loss=loss, tokens=int(gold.numel()), metrics=metrics)
 
 

@@ -135,9 +135,10 @@ def sharegpt_path() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / rel
 
 
-def read_json_array(path: Path, stats: SourceStats) -> Iterator[list[str]]:
+def read_json_array(path: Path, stats: SourceStats, parse: Callable[[object], object | None] = user_turns) -> Iterator:
     """Conversations of a JSON array decoded record by record, so a file cut mid-record still yields
-    every complete record (the packaged ShareGPT file is truncated); the cut tail counts as malformed."""
+    every complete record (the packaged ShareGPT file is truncated); the cut tail counts as malformed.
+    `parse` turns one record into what is yielded (default: its user turns), None = malformed."""
     text = Path(path).read_text(encoding="utf-8", errors="replace")
     decoder = json.JSONDecoder()
     i = _skip(text, 0, " \t\r\n")
@@ -153,7 +154,7 @@ def read_json_array(path: Path, stats: SourceStats) -> Iterator[list[str]]:
         except json.JSONDecodeError:
             stats.malformed += 1  # the truncated tail: nothing after it can be framed
             return
-        turns = user_turns(obj)
+        turns = parse(obj)
         if turns is None:
             stats.malformed += 1
         else:

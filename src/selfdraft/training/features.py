@@ -6,7 +6,11 @@ never stored). The cache is a directory of bf16 safetensors shards, memory-mappe
 
     FEATDIR/index.json               target identity, feature layers, per-record shard/offset/length
     FEATDIR/shard-00000.safetensors  features [N, n_feat, H] bf16, last_hidden [N, H] bf16,
+                                     lse [N] float32 (log-partition of p_t over the full vocabulary),
                                      input_ids [N] int32, loss_mask [N] uint8 (N = tokens of its records)
+
+With `lse`, p_t over any subset of the vocabulary is exp(lm_head_rows(last_hidden) - lse): training
+over a draft vocabulary never runs the full LM head again.
 
 Shards are written whole (temp file + rename), so a killed run restarted with the same command
 recomputes only the records not yet in a finished shard.
@@ -27,7 +31,7 @@ from selfdraft.config import ConfigError
 from selfdraft.training.data import DataError, iter_records
 
 BYTES_PER_VALUE = 2  # bf16
-BYTES_PER_TOKEN_IDS = 5  # int32 id + uint8 mask
+BYTES_PER_TOKEN_IDS = 9  # int32 id + uint8 mask + float32 lse
 
 
 @dataclass(frozen=True)
@@ -35,12 +39,13 @@ class FeatureSpec:
     feature_layers: tuple[int, ...]  # 0-based decoder layers (DESIGN section 3)
     max_seq_len: int = 2048  # longer conversations are truncated (training never sees more)
     shard_tokens: int = 65536  # tokens per shard: 65536 x 6 x 576 x 2 B ~ 450 MB with 5 layers
+    batch_size: int = 4  # sequences per target forward (sorted by length, right-padded)
 
     def __post_init__(self) -> None:
         if not self.feature_layers:
             raise ConfigError("give at least one feature layer")
-        if self.max_seq_len < 2 or self.shard_tokens < 1:
-            raise ConfigError("max_seq_len must be >= 2 and shard_tokens >= 1")
+        if self.max_seq_len < 2 or self.shard_tokens < 1 or self.batch_size < 1:
+            raise ConfigError("max_seq_len must be >= 2, shard_tokens >= 1 and batch_size >= 1")
 
 
 @torch.inference_mode()
@@ -54,6 +59,33 @@ def compute_features(target, input_ids: torch.Tensor, feature_layers: tuple[int,
         raise ValueError(f"input_ids must be [1, T], got {tuple(input_ids.shape)}")
     step = target.forward(input_ids, cache=None, feature_layers=tuple(feature_layers), last_only=True)
     return step.features[0], step.last_hidden[0]
+
+
+@dataclass
+class CachedStates:
+    """What the cache stores for one sequence of T tokens."""
+
+    features: torch.Tensor  # [T, n_feat, H] bf16
+    last_hidden: torch.Tensor  # [T, H] bf16
+    lse: torch.Tensor  # [T] float32, computed from the bf16-rounded last_hidden the cache holds
+
+
+@torch.inference_mode()
+def compute_states(target, seqs: list[torch.Tensor], feature_layers: tuple[int, ...]) -> list[CachedStates]:
+    """B sequences ([T_b] ids each) in one right-padded target forward -> their cached states."""
+    from selfdraft.training.objectives import target_lse
+
+    dev = target.model.device
+    T = max(len(x) for x in seqs)
+    ids = torch.zeros(len(seqs), T, dtype=torch.long)  # [B, T]
+    attn = torch.zeros(len(seqs), T, dtype=torch.long)
+    for b, x in enumerate(seqs):
+        ids[b, : len(x)], attn[b, : len(x)] = x, 1
+    step = target.forward(ids.to(dev), None, tuple(feature_layers), attention_mask=attn.to(dev), last_only=True)
+    last = step.last_hidden.to(torch.bfloat16)  # [B, T, H]
+    lse = target_lse(target, last.to(target.model.dtype))  # [B, T]
+    return [CachedStates(step.features[b, : len(x)].to(torch.bfloat16).cpu(), last[b, : len(x)].cpu(),
+                         lse[b, : len(x)].float().cpu()) for b, x in enumerate(seqs)]
 
 
 def bytes_per_token(target, spec: FeatureSpec) -> int:
@@ -84,14 +116,17 @@ def write_feature_cache(
     buffered = 0  # tokens in buffer
     bar = tqdm(total=sum(min(len(r["input_ids"]), spec.max_seq_len) for r in records), unit="tok",
                disable=not progress, file=sys.stderr, dynamic_ncols=True)
-    for rec in records:
-        ids = torch.tensor(rec["input_ids"][: spec.max_seq_len])
-        feats, last = compute_features(target, ids[None], spec.feature_layers)
-        buffer.append({"id": rec["id"], "split": rec["split"], "input_ids": ids,
-                       "loss_mask": torch.tensor(rec["loss_mask"][: spec.max_seq_len], dtype=torch.uint8),
-                       "features": feats.to(torch.bfloat16), "last_hidden": last.to(torch.bfloat16)})
-        bar.update(len(ids))
-        buffered += len(ids)
+    # Similar lengths together, so the padded batch wastes little; ids make the order stable.
+    records.sort(key=lambda r: (min(len(r["input_ids"]), spec.max_seq_len), r["id"]))
+    for i in range(0, len(records), spec.batch_size):
+        group = records[i : i + spec.batch_size]
+        ids = [torch.tensor(r["input_ids"][: spec.max_seq_len]) for r in group]
+        for rec, x, st in zip(group, ids, compute_states(target, ids, spec.feature_layers)):
+            buffer.append({"id": rec["id"], "split": rec["split"], "input_ids": x,
+                           "loss_mask": torch.tensor(rec["loss_mask"][: spec.max_seq_len], dtype=torch.uint8),
+                           "features": st.features, "last_hidden": st.last_hidden, "lse": st.lse})
+            bar.update(len(x))
+            buffered += len(x)
         if buffered >= spec.shard_tokens:
             shards.append(_write_shard(out_dir, len(shards), buffer, header))
             buffer, buffered = [], 0
@@ -114,6 +149,7 @@ def _write_shard(out_dir: Path, number: int, buffer: list[dict], header: dict) -
     tensors = {
         "features": torch.cat([b["features"] for b in buffer]).contiguous(),  # [N, n_feat, H]
         "last_hidden": torch.cat([b["last_hidden"] for b in buffer]).contiguous(),  # [N, H]
+        "lse": torch.cat([b["lse"] for b in buffer]).contiguous(),  # [N] float32
         "input_ids": torch.cat([b["input_ids"] for b in buffer]).to(torch.int32),  # [N]
         "loss_mask": torch.cat([b["loss_mask"] for b in buffer]),  # [N]
     }
@@ -143,6 +179,7 @@ class CachedSequence:
     loss_mask: torch.Tensor  # [T] bool
     features: torch.Tensor  # [T, n_feat, H] bf16
     last_hidden: torch.Tensor  # [T, H] bf16
+    lse: torch.Tensor | None = None  # [T] float32 log-partition of p_t (None in caches written before it existed)
 
 
 class FeatureCache:
@@ -179,4 +216,5 @@ class FeatureCache:
             loss_mask=f.get_slice("loss_mask")[lo:hi].bool(),
             features=f.get_slice("features")[lo:hi],
             last_hidden=f.get_slice("last_hidden")[lo:hi],
+            lse=f.get_slice("lse")[lo:hi] if "lse" in f.keys() else None,
         )

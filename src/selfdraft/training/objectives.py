@@ -7,7 +7,10 @@ flattened: values [N] with their 0-based block index k_idx [N].
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 
 from selfdraft.target import Target
 
@@ -54,3 +57,51 @@ def accuracy_at_k(pred: torch.Tensor, gold: torch.Tensor, k_idx: torch.Tensor, g
         at_k = k_idx == k
         out[f"acc@{k + 1}"] = float(hit[at_k].mean()) if at_k.any() else float("nan")
     return out
+
+
+# ------------------------------------------------------------------ losses over a draft vocabulary V'
+@torch.no_grad()
+def target_lse(target: Target, last_hidden: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """[..., H] final target hidden states -> [...] float32 log Σ_v exp(z_v) over the FULL vocabulary.
+
+    With it, p_t restricted to any subset of rows is exp(z_S - lse) without materialising [N, V]."""
+    flat = last_hidden.reshape(-1, last_hidden.shape[-1])
+    w_dtype = target.model.get_output_embeddings().weight.dtype
+    parts = [torch.logsumexp(target.lm_head(h.to(w_dtype)).float(), dim=-1) for h in flat.split(chunk)]
+    out = torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.float32)
+    return out.view(last_hidden.shape[:-1])
+
+
+@dataclass
+class VocabLoss:
+    """Per-position pieces of the draft-vocabulary losses (N supervised positions)."""
+
+    l1: torch.Tensor  # [N] ||q - p_t||_1 over the full vocabulary (q is zero outside V')
+    ce: torch.Tensor  # [M] -log q(gold) at the M positions whose gold token lies in V'
+    ce_rows: torch.Tensor  # [N] bool: which positions those are
+    pred: torch.Tensor  # [N] target id of argmax q
+
+
+def vocab_losses(
+    logits: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, t2d: torch.Tensor,
+    h_t: torch.Tensor, lse_t: torch.Tensor, gold: torch.Tensor,
+) -> VocabLoss:
+    """Losses of a drafter that drafts over V' ⊂ V, exactly as over the full vocabulary.
+
+    logits: [N, V'] draft logits over V' (q = softmax over V', zero elsewhere, as at inference);
+    rows: [V', H] the target's LM-head rows of V'; ids: [V'] their target ids; t2d: [V] target id ->
+    draft index (-1 outside V'); h_t: [N, H] target final hidden states and lse_t: [N] their full-vocab
+    log-partition (p_t(v) = exp(z_v - lse)); gold: [N] target ids.
+
+    ||q - p_t||_1 = Σ_{v∈V'} |q_v - p_t,v| + Σ_{v∉V'} p_t,v, and the second term is one bucket,
+    1 - Σ_{v∈V'} p_t,v: the loss stays the true L1 distance (2·TV) while only V' logits are formed.
+    """
+    logq = torch.log_softmax(logits.float(), dim=-1)  # [N, V']
+    with torch.no_grad():
+        p_in = torch.exp(F.linear(h_t.to(rows.dtype), rows).float() - lse_t[:, None])  # [N, V']
+        rest = (1.0 - p_in.sum(-1)).clamp_min(0.0)  # [N] target mass outside V'
+    l1 = (logq.exp() - p_in).abs().sum(-1) + rest
+    g = t2d[gold]  # [N] draft index of the gold token, -1 outside V'
+    ce_rows = g >= 0
+    ce = -logq[ce_rows].gather(1, g[ce_rows, None]).squeeze(1)
+    return VocabLoss(l1=l1, ce=ce, ce_rows=ce_rows, pred=ids[logits.argmax(-1)])

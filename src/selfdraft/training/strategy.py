@@ -29,6 +29,15 @@ class Batch:
     attention_mask: torch.Tensor  # [B, T] bool: real (non-pad) tokens
     features: torch.Tensor  # [B, T, n_feat, H] outputs of cfg.feature_layers
     last_hidden: torch.Tensor  # [B, T, H] final hidden state; p_t = target.lm_head(last_hidden)
+    lse: torch.Tensor | None = None  # [B, T] float32 log-partition of p_t over the full vocabulary (cached), or None
+
+    def target_lse(self, target: "Target") -> torch.Tensor:
+        """[B, T] the cached log-partition of p_t, or computed now (one full LM-head pass, no grad)."""
+        if self.lse is None:
+            from selfdraft.training.objectives import target_lse
+
+            self.lse = target_lse(target, self.last_hidden)
+        return self.lse
 
 
 @dataclass

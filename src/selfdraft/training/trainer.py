@@ -115,8 +115,11 @@ def load_sequences(data_dir: str | Path, split: str, max_seq_len: int, features:
         cache = FeatureCache(features, split)
         if target is not None:
             cache.check_target(target)
+        # The dataset's record order (the cache stores records sorted by length), so a run visits the
+        # same sequences whichever way its features come.
+        order = {rec["id"]: i for i, rec in enumerate(load_records(data_dir, split))}
         pairs = []
-        for i in range(len(cache)):
+        for i in sorted(range(len(cache)), key=lambda i: order.get(cache.entries[i][1]["id"], len(order))):
             c = cache[i]
             pairs.append((c.input_ids.tolist(), c.loss_mask.int().tolist(), c))
     seqs = []
@@ -167,10 +170,14 @@ def make_batch(seqs: list[Sequence], target: Target, feature_layers: tuple[int, 
     if all(s.cached is not None for s in seqs):
         feats = torch.zeros(len(seqs), T, len(feature_layers), target.hidden_size)  # [B, T, n_feat, H]
         last = torch.zeros(len(seqs), T, target.hidden_size)  # [B, T, H]
+        lse = torch.zeros(len(seqs), T) if all(s.cached.lse is not None for s in seqs) else None  # [B, T]
         for b, s in enumerate(seqs):
             n = len(s.input_ids)
             feats[b, :n], last[b, :n] = s.cached.features[:n].float(), s.cached.last_hidden[:n].float()
+            if lse is not None:
+                lse[b, :n] = s.cached.lse[:n]
     else:
+        lse = None  # computed by the loss when it needs it (Batch.target_lse)
         step = target.forward(ids, None, feature_layers, attention_mask=attn.long(), last_only=True)
         last = step.last_hidden.to(torch.float32, copy=True)
         no_feats = last.new_zeros(*last.shape[:2], 0, last.shape[-1])  # [B, T, 0, H]: no feature layers (MTP)
@@ -181,6 +188,7 @@ def make_batch(seqs: list[Sequence], target: Target, feature_layers: tuple[int, 
         attention_mask=attn,
         features=feats.to(device),  # [B, T, n_feat, H]
         last_hidden=last.to(device),  # [B, T, H]
+        lse=None if lse is None else lse.to(device),  # [B, T]
     )
 
 
