@@ -408,3 +408,24 @@ def test_trained_draft_vocabulary_and_target_mask_row_travel_with_the_checkpoint
     res = generate(target, d, prompt, SamplingParams(), GenerationConfig(max_new_tokens=16, gamma=3))
     assert res.token_ids == plain.token_ids
     assert all(int(t) in set(ids.tolist()) for r in res.rounds for t in getattr(r, "draft_tokens", []))
+
+
+@pytest.mark.parametrize("anchor_as_first", [False, True])
+def test_dflash_trains_over_a_draft_vocabulary(target, anchor_as_first):
+    """DFlash's cross-entropy over V' equals the full-vocabulary CE of logits masked to V'."""
+    ids = torch.arange(0, V, 2)
+    model, cfg = make("dflash", target, gamma=3, anchors_per_seq=4, anchor_as_first=anchor_as_first, loss_vocab_size=len(ids))
+    model.draft_ids.copy_(ids)
+    batch = make_batch(target, regenerate=True)
+    out = STRATEGIES["dflash"].loss(model, batch, target, cfg, torch.Generator().manual_seed(5))
+    out.loss.backward()
+    with torch.no_grad():
+        tf = teacher_forced_blocks(model, batch, target, cfg, torch.Generator().manual_seed(5))
+        logits = lm_logits(target, tf.h[tf.valid])
+        masked = torch.full_like(logits, float("-inf"))
+        masked[:, ids] = logits[:, ids]
+        gold, k_idx = tf.gold[tf.valid], tf.k_idx()
+        inside = gold % 2 == 0
+        w = torch.exp(-k_idx[inside].float() / cfg.loss_decay)
+        ce = torch.nn.functional.cross_entropy(masked[inside], gold[inside], reduction="none")
+    assert abs(out.metrics["ce"] - float((w * ce).sum() / w.sum())) < 1e-4

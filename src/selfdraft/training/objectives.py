@@ -76,7 +76,7 @@ def target_lse(target: Target, last_hidden: torch.Tensor, chunk: int = 1024) -> 
 class VocabLoss:
     """Per-position pieces of the draft-vocabulary losses (N supervised positions)."""
 
-    l1: torch.Tensor  # [N] ||q - p_t||_1 over the full vocabulary (q is zero outside V')
+    l1: torch.Tensor | None  # [N] ||q - p_t||_1 over the full vocabulary (q is zero outside V'); None if not asked
     ce: torch.Tensor  # [M] -log q(gold) at the M positions whose gold token lies in V'
     ce_rows: torch.Tensor  # [N] bool: which positions those are
     pred: torch.Tensor  # [N] target id of argmax q
@@ -84,7 +84,7 @@ class VocabLoss:
 
 def vocab_losses(
     logits: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, t2d: torch.Tensor,
-    h_t: torch.Tensor, lse_t: torch.Tensor, gold: torch.Tensor,
+    h_t: torch.Tensor | None, lse_t: torch.Tensor | None, gold: torch.Tensor,
 ) -> VocabLoss:
     """Losses of a drafter that drafts over V' ⊂ V, exactly as over the full vocabulary.
 
@@ -97,10 +97,12 @@ def vocab_losses(
     1 - Σ_{v∈V'} p_t,v: the loss stays the true L1 distance (2·TV) while only V' logits are formed.
     """
     logq = torch.log_softmax(logits.float(), dim=-1)  # [N, V']
-    with torch.no_grad():
-        p_in = torch.exp(F.linear(h_t.to(rows.dtype), rows).float() - lse_t[:, None])  # [N, V']
-        rest = (1.0 - p_in.sum(-1)).clamp_min(0.0)  # [N] target mass outside V'
-    l1 = (logq.exp() - p_in).abs().sum(-1) + rest
+    l1 = None  # h_t None: cross-entropy only (DFlash)
+    if h_t is not None:
+        with torch.no_grad():
+            p_in = torch.exp(F.linear(h_t.to(rows.dtype), rows).float() - lse_t[:, None])  # [N, V']
+            rest = (1.0 - p_in.sum(-1)).clamp_min(0.0)  # [N] target mass outside V'
+        l1 = (logq.exp() - p_in).abs().sum(-1) + rest
     g = t2d[gold]  # [N] draft index of the gold token, -1 outside V'
     ce_rows = g >= 0
     ce = -logq[ce_rows].gather(1, g[ce_rows, None]).squeeze(1)
