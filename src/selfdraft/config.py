@@ -23,6 +23,8 @@ def from_dict(cls: type[T], data: dict[str, Any]) -> T:
 
 
 EMBEDDED_TARGET = "smollm2-135m-instruct"
+# torch CPU threads of every command (--threads). MEASURED_BELOW
+DEFAULT_THREADS = 2
 
 
 @dataclass(frozen=True)
