@@ -159,13 +159,13 @@ def demo(
         cfg = GenerationConfig(max_new_tokens=max_new_tokens)
     except (ConfigError, TargetError, OSError) as e:
         _fail(str(e))
-    print(f"measuring {max_new_tokens} greedy tokens ({dtype}, {threads} threads): {draft.name} drafting, then "
+    print(f"measuring {max_new_tokens} greedy tokens ({dtype}, {threads} thread{'s' * (threads != 1)}): {draft.name} drafting, then "
           "plain decoding ...", file=sys.stderr, flush=True)
     run(tgt, draft, ids[:16] or ids, config=GenerationConfig(max_new_tokens=4))  # warm-up
     spec = run(tgt, draft, ids, config=cfg)
     base = run(tgt, plain, ids, config=cfg)
     print(demo_headline(draft.name, spec, base, os.getloadavg()[0], os.cpu_count() or 1))
-    print(f"\n--- prompt ---\n{DEMO_PROMPT}\n\n--- answer ({drafter} drafting; the same tokens as plain decoding) ---")
+    print(f"\n--- prompt ---\n{DEMO_PROMPT}\n\n--- answer ({drafter} drafting) ---")
     print(tgt.decode(spec.token_ids))
 
 
@@ -183,7 +183,7 @@ def demo_headline(name: str, spec, base, load: float, cores: int) -> str:
         lines.append(
             f"speculative decoding was SLOWER than plain decoding in this run. The machine is "
             f"{'busy' if busy else 'not busy'}: load average {load:.1f} on {cores} cores. "
-            + ("Other processes shared the CPU during the two timed runs, so the ratio is unreliable: "
+            + ("With other processes competing for the CPU, timings of one prompt are unreliable: "
                "rerun `selfdraft demo` on an idle machine." if busy else
                f"The drafter's cost outweighed the {spec.tau:.2f} tokens per forward here: try another "
                "--drafter or --threads.")
