@@ -16,7 +16,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
 TargetOpt = typer.Option(None, "--target", help=f"HF model dir or .gguf file (default: embedded {EMBEDDED_TARGET})")
 DtypeOpt = typer.Option("bfloat16", "--dtype", help="bfloat16 (CPU default) or float32 (exactness)")
-ThreadsOpt = typer.Option(DEFAULT_THREADS, "--threads", help="torch CPU threads (default 1, safe on a shared machine; an idle one may gain from its core count)")
+ThreadsOpt = typer.Option(
+    DEFAULT_THREADS, "--threads", help="torch CPU threads (1 is safe on a shared machine; an idle one may gain from its cores)")
 
 
 def _fail(msg: str) -> None:
