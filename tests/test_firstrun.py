@@ -33,6 +33,16 @@ def target_dir(tmp_path):
     return path
 
 
+@pytest.fixture
+def chat_target_dir(tmp_path):
+    from tests.test_serve import char_tokenizer
+
+    tok, d = char_tokenizer(), tmp_path / "tiny-chat"
+    tiny_llama(vocab=len(tok), hidden=32, layers=2, seed=3, max_pos=512).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
 # ------------------------------------------------------------------ 1. an empty validation split
 def _prompts(tmp_path, n: int):
     src = tmp_path / "p.jsonl"
@@ -67,6 +77,19 @@ def test_train_warns_without_val_and_calibrate_names_the_empty_split(toy_method,
                  "--dtype", "float32", "--threads", "1")
     assert res.exit_code == 2 and "has no 'val' conversations" in res.output and "split is empty" in res.output
     assert "no calibration rounds" not in res.output
+
+
+def test_regenerate_cli_writes_a_val_split_or_says_it_is_empty(chat_target_dir, tmp_path):
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps({"turns": [f"question {i}"]}) + "\n" for i in range(4)))
+    common = ["data", "regenerate", str(src), "--target", str(chat_target_dir), "-n", "4", "--dtype", "float32",
+              "--threads", "1"]  # fmt: skip
+    res = invoke(*common, "--out", str(tmp_path / "d"))
+    assert res.exit_code == 0, res.output
+    assert "dataset: 3 train + 1 val conversations" in res.output and "no validation" not in res.output
+    res = invoke(*common, "--out", str(tmp_path / "none"), "--val-fraction", "0")
+    assert res.exit_code == 0, res.output
+    assert "dataset: 4 train + 0 val" in res.output and "has no validation conversations" in res.output
 
 
 # ------------------------------------------------------------------ 2. progress lines when not on a terminal
@@ -198,14 +221,9 @@ def test_demo_headline_says_plainly_when_slower_on_a_busy_machine():
     assert "equal for the first 2 tokens" in flipped
 
 
-def test_demo_first_line_is_the_speedup(tmp_path):
-    from tests.test_serve import char_tokenizer
-
-    tok, d = char_tokenizer(), tmp_path / "tiny-chat"
-    tiny_llama(vocab=len(tok), hidden=32, layers=2, seed=3, max_pos=512).save_pretrained(d)
-    tok.save_pretrained(d)
-    res = CliRunner().invoke(app, ["demo", "--target", str(d), "--drafter", "ngram", "-n", "8", "--dtype",
-                                   "float32", "--threads", "1"])
+def test_demo_first_line_is_the_speedup(chat_target_dir):
+    res = CliRunner().invoke(app, ["demo", "--target", str(chat_target_dir), "--drafter", "ngram", "-n", "8",
+                                   "--dtype", "float32", "--threads", "1"])
     assert res.exit_code == 0, res.output
     stdout = res.stdout.splitlines()
     assert stdout[0].startswith("speedup ") and "ngram" in stdout[0] and "--- prompt ---" in res.stdout
@@ -224,3 +242,4 @@ def test_train_final_only_drops_the_trainer_state(toy_method, target_dir, tmp_pa
     assert res.exit_code == 0, res.output
     assert (tmp_path / "final" / "model.safetensors").exists() and not (tmp_path / "final" / "trainer_state.pt").exists()
     assert "model.safetensors" in res.output and "trainer_state.pt" not in res.output.split("->")[-1]
+
