@@ -28,7 +28,7 @@ demo: $(STAMP)
 
 # Fast suite (tiny random models) plus the slow tests on the embedded target that fit CI.
 test: $(TSTAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

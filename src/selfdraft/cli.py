@@ -10,17 +10,38 @@ from typing import Optional
 
 import typer
 
-from selfdraft.config import EMBEDDED_TARGET, ConfigError, GenerationConfig, SamplingParams
+from selfdraft.config import DEFAULT_THREADS, EMBEDDED_TARGET, ConfigError, GenerationConfig, SamplingParams
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
 TargetOpt = typer.Option(None, "--target", help=f"HF model dir or .gguf file (default: embedded {EMBEDDED_TARGET})")
 DtypeOpt = typer.Option("bfloat16", "--dtype", help="bfloat16 (CPU default) or float32 (exactness)")
+ThreadsOpt = typer.Option(
+    DEFAULT_THREADS, "--threads", help="torch CPU threads (1 is safe on a shared machine; an idle one may gain from its cores)")
 
 
 def _fail(msg: str) -> None:
     typer.secho(f"error: {msg}", fg="red", err=True)
     raise typer.Exit(2)
+
+
+def _warn(msg: str) -> None:
+    typer.secho(f"warning: {msg}", fg="yellow", err=True)
+
+
+def _set_threads(threads: int) -> None:
+    """Every command takes --threads with the same default (config.DEFAULT_THREADS); exit 2 below 1."""
+    import torch
+
+    if threads < 1:
+        _fail(f"--threads must be >= 1, got {threads}")
+    torch.set_num_threads(threads)
+
+
+def _check_gamma(gamma: int) -> None:
+    """γ = 0 drafts nothing: plain decoding under another name. Say how to ask for that instead."""
+    if gamma < 1:
+        raise ConfigError(f"--gamma must be >= 1 (draft tokens per round), got {gamma}; for plain decoding use --drafter none")
 
 
 class TextStream:
@@ -53,6 +74,7 @@ def generate(
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k", help="0 = off"),
     seed: Optional[int] = typer.Option(None, "--seed"),
+    threads: int = ThreadsOpt,
     dtype: str = DtypeOpt,
     as_json: bool = typer.Option(False, "--json", help="print exactly one JSON object"),
 ) -> None:
@@ -61,10 +83,14 @@ def generate(
     from selfdraft.drafters import load_drafter
     from selfdraft.target import Target, TargetError
 
+    _set_threads(threads)
     try:
         if (prompt is None) == (prompt_file is None):
             raise ConfigError("give exactly one of --prompt or --prompt-file")
         text = prompt if prompt is not None else prompt_file.read_text()
+        if not text.strip():
+            raise ConfigError(f"the prompt is empty ({'--prompt' if prompt is not None else prompt_file}): give the text to answer")
+        _check_gamma(gamma)
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         cfg = GenerationConfig(max_new_tokens=max_new_tokens, gamma=gamma)
         tgt = Target.load(target, dtype=dtype)
@@ -113,33 +139,57 @@ def demo(
         "auto", "--drafter", "-d", help=f"auto = the shipped DSpark drafter ({SHIPPED_DSPARK}) if present, else ngram"
     ),
     max_new_tokens: int = typer.Option(192, "--max-new-tokens", "-n"),
+    threads: int = ThreadsOpt,
     dtype: str = DtypeOpt,
 ) -> None:
-    """Stream an answer with speculative decoding, then measure the speedup over plain decoding."""
+    """Measure the speedup of speculative over plain decoding on one prompt; lead with it, then show the answer."""
     import torch
 
     from selfdraft.decode import generate as run
     from selfdraft.drafters import load_drafter
-    from selfdraft.target import Target
+    from selfdraft.target import Target, TargetError
 
+    _set_threads(threads)
     torch.manual_seed(0)
     if drafter == "auto":
         drafter = str(SHIPPED_DSPARK) if (target is None and SHIPPED_DSPARK.is_dir()) else "ngram"
-    tgt = Target.load(target, dtype=dtype)
-    draft, plain = load_drafter(drafter, tgt), load_drafter("none", tgt)
-    ids = tgt.encode_prompt(DEMO_PROMPT)
-    cfg = GenerationConfig(max_new_tokens=max_new_tokens)
-    print(f"prompt: {DEMO_PROMPT}\n\n--- answer ({drafter} drafting, greedy, {dtype}) ---")
+    try:
+        tgt = Target.load(target, dtype=dtype)
+        draft, plain = load_drafter(drafter, tgt), load_drafter("none", tgt)
+        ids = tgt.encode_prompt(DEMO_PROMPT)
+        cfg = GenerationConfig(max_new_tokens=max_new_tokens)
+    except (ConfigError, TargetError, OSError) as e:
+        _fail(str(e))
+    print(f"measuring {max_new_tokens} greedy tokens ({dtype}, {threads} thread{'s' * (threads != 1)}): {draft.name} drafting, then "
+          "plain decoding ...", file=sys.stderr, flush=True)
     run(tgt, draft, ids[:16] or ids, config=GenerationConfig(max_new_tokens=4))  # warm-up
-    spec = run(tgt, draft, ids, config=cfg, on_tokens=TextStream(tgt))
-    print("\n--- same prompt, plain decoding (drafter none) for the speedup ---")
+    spec = run(tgt, draft, ids, config=cfg)
     base = run(tgt, plain, ids, config=cfg)
+    print(demo_headline(draft.name, spec, base, os.getloadavg()[0], os.cpu_count() or 1))
+    print(f"\n--- prompt ---\n{DEMO_PROMPT}\n\n--- answer ({drafter} drafting) ---")
+    print(tgt.decode(spec.token_ids))
+
+
+def demo_headline(name: str, spec, base, load: float, cores: int) -> str:
+    """What the demo user came for, first: the measured speedup, and plainly why when it is below 1."""
+    ratio = spec.tokens_per_s / base.tokens_per_s
     agree = next((i for i, (a, b) in enumerate(zip(base.token_ids, spec.token_ids)) if a != b), len(base.token_ids))
-    same = "identical" if base.token_ids == spec.token_ids else (
-        f"equal for the first {agree} tokens, then a bf16 near-tie flipped (block verify vs 1-token decode "
-        "numerics; run with --dtype float32 for bit-identical output)")
-    print(f"{draft.name}: {spec.tokens_per_s:.1f} tok/s, τ={spec.tau:.2f} | none: {base.tokens_per_s:.1f} tok/s | "
-          f"speedup {spec.tokens_per_s / base.tokens_per_s:.2f}x | outputs {same}")
+    same = "identical outputs" if base.token_ids == spec.token_ids else (
+        f"outputs equal for the first {agree} tokens, then a bf16 near-tie flipped (block verify vs 1-token "
+        "decode numerics; --dtype float32 gives bit-identical output)")
+    lines = [f"speedup {ratio:.2f}x: {name} {spec.tokens_per_s:.1f} tok/s (τ={spec.tau:.2f} tokens per target "
+             f"forward) vs plain decoding {base.tokens_per_s:.1f} tok/s; {same}"]
+    if ratio < 1:
+        busy = load >= 0.75 * cores
+        lines.append(
+            f"speculative decoding was SLOWER than plain decoding in this run. The machine is "
+            f"{'busy' if busy else 'not busy'}: load average {load:.1f} on {cores} cores. "
+            + ("With other processes competing for the CPU, timings of one prompt are unreliable: "
+               "rerun `selfdraft demo` on an idle machine." if busy else
+               f"The drafter's cost outweighed the {spec.tau:.2f} tokens per forward here: try another "
+               "--drafter or --threads.")
+        )
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- data (training data pipeline)
@@ -153,7 +203,8 @@ def _select_prompts(tgt, sources, num_turns, val_fraction, max_prompt_tokens, li
     from selfdraft.training.data import collect_prompts, select_prompts
 
     prompts, stats = collect_prompts(list(sources), num_turns=num_turns, val_fraction=val_fraction)
-    chosen = select_prompts(prompts, lambda p: len(tgt.encode_prompt(p.turns[0])), max_prompt_tokens, limit, stats)
+    chosen = select_prompts(prompts, lambda p: len(tgt.encode_prompt(p.turns[0])), max_prompt_tokens, limit, stats,
+                            min_val=1 if val_fraction > 0 else 0)  # a small --limit still gets a val split
     return chosen, stats
 
 
@@ -194,18 +245,16 @@ def data_regenerate(
     batch_size: int = typer.Option(16, "--batch-size", "-b"),
     val_fraction: float = typer.Option(0.02, "--val-fraction"),
     seed: int = typer.Option(0, "--seed"),
-    threads: int = typer.Option(2, "--threads", help="torch CPU threads"),
+    threads: int = ThreadsOpt,
     dtype: str = DtypeOpt,
 ) -> None:
     """Have the target answer prompts through its chat template; write JSONL shards + manifest."""
     import shlex
 
-    import torch
-
     from selfdraft.target import Target, TargetError
     from selfdraft.training.data import DataError, RegenConfig, recommended_sampling, regenerate
 
-    torch.set_num_threads(threads)
+    _set_threads(threads)
     try:
         tgt = Target.load(target, dtype=dtype)
         rec = {"temperature": 0.7, "top_p": 0.9, **recommended_sampling(tgt)}
@@ -226,6 +275,11 @@ def data_regenerate(
     print(f"wrote {summary.written} conversations ({summary.skipped_done} already done), "
           f"{summary.generated_tokens} tokens in {summary.wall_s:.0f}s = {summary.tokens_per_s:.1f} tok/s, "
           f"peak RSS {summary.peak_rss_mb:.0f} MB -> {out}", file=sys.stderr)
+    totals = json.loads((out / "manifest.json").read_text())["totals"]
+    print(f"dataset: {totals['train']['records']} train + {totals['val']['records']} val conversations", file=sys.stderr)
+    if totals["train"]["records"] + totals["val"]["records"] and not totals["val"]["records"]:
+        _warn(f"{out} has no validation conversations: `train` reports no val loss and `calibrate --split val` has "
+              "nothing to read; regenerate into a new --out with a larger --limit or --val-fraction")
 
 
 @data_app.command("original")
@@ -262,18 +316,16 @@ def data_features(
     max_seq_len: int = typer.Option(2048, "--max-seq-len", help="truncate longer conversations"),
     shard_tokens: int = typer.Option(65536, "--shard-tokens", help="tokens per safetensors shard"),
     batch_size: int = typer.Option(4, "--batch-size", "-b", help="sequences per target forward"),
-    threads: int = typer.Option(2, "--threads"),
+    threads: int = ThreadsOpt,
     dtype: str = typer.Option("float32", "--dtype", help="target dtype while computing (float32 is faster on CPU)"),
     yes: bool = typer.Option(False, "--yes", "-y", help="do not ask before writing"),
 ) -> None:
     """Cache the target's feature-layer and final hidden states per token (bf16 safetensors)."""
-    import torch
-
     from selfdraft.target import Target, TargetError
     from selfdraft.training.data import DataError
     from selfdraft.training.features import FeatureSpec, estimate_bytes, write_feature_cache
 
-    torch.set_num_threads(threads)
+    _set_threads(threads)
     try:
         tgt = Target.load(target, dtype=dtype)
         layers = tuple(int(x) for x in feature_layers.split(",")) if feature_layers else tgt.default_feature_layers()
@@ -376,22 +428,22 @@ def train_cmd(
     features: Optional[str] = typer.Option(None, "--features", help="online (target runs during training)"),
     fsdp: Optional[bool] = typer.Option(None, "--fsdp/--ddp", help="under torchrun: shard the drafter (FSDP) or replicate it (DDP, default)"),
     resume: bool = typer.Option(True, "--resume/--no-resume", help="continue the run saved in --out"),
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
+    final_only: bool = typer.Option(
+        False, "--final-only", help="when the run finishes, delete trainer_state.pt (optimizer state, 2x the weights): "
+        "keeps only the drafter; the run can no longer be resumed or extended"),
+    threads: int = ThreadsOpt,
     dtype: str = typer.Option("float32", "--dtype", help="target dtype: float32 (CPU default: faster here) or bfloat16"),
     mask_token_id: Optional[int] = typer.Option(None, "--mask-token-id", help="DFlash/DSpark: mask slots use this target embedding row (-1 = learned)"),
     loss_vocab_size: Optional[int] = typer.Option(None, "--loss-vocab-size", help="DFlash/DSpark: train and draft over the N most frequent answer tokens (0 = all)"),
     qk_norm: Optional[bool] = typer.Option(None, "--qk-norm/--no-qk-norm", help="per-head q/k RMSNorm (the layout vLLM builds)"),
 ) -> None:
     """Train a self-drafter on the target's own answers; the checkpoint loads with `--drafter OUT`."""
-    import torch
-
     from selfdraft.target import Target, TargetError
-    from selfdraft.training.data import DataError
-    from selfdraft.training.trainer import strategy_for
+    from selfdraft.training.data import DataError, iter_records
+    from selfdraft.training.trainer import STATE_FILE, strategy_for
     from selfdraft.training.trainer import train as run_training
 
-    if threads:
-        torch.set_num_threads(threads)
+    _set_threads(threads)
     try:
         layer_ids = _int_list(feature_layers, "--feature-layers") if feature_layers else None
         dcfg, tcfg = _train_configs(
@@ -407,16 +459,34 @@ def train_cmd(
                  val_every=val_every, val_batches=val_batches, save_every=save_every, seed=seed, fsdp=fsdp),
         )  # fmt: skip
         strategy_for(dcfg.method)  # fail on an unknown method before loading the target
+        rank0 = os.environ.get("RANK", "0") == "0"
+        if rank0 and not any(True for _ in iter_records(tcfg.data, "val")):
+            _warn(f"{tcfg.data} has no validation conversations (split val): training runs without a val loss; "
+                  "regenerate with a larger --limit or --val-fraction to have one")
         tgt = Target.load(target, dtype=dtype)
         res = run_training(tgt, dcfg, tcfg, out, resume=resume)
     except (ConfigError, TargetError, DataError, OSError, json.JSONDecodeError) as e:
         _fail(str(e))
-    if os.environ.get("RANK", "0") != "0":
-        return  # torchrun: rank 0 reports
+    if not rank0:
+        return  # torchrun: rank 0 reports (train() returns once every rank is done and the checkpoint written)
+    state = res.out_dir / STATE_FILE
+    if final_only and state.exists():
+        state.unlink()
     val = f", val loss {res.final_val.loss:.4f}" if res.final_val else ""
     print(f"{dcfg.method}: {res.steps} steps, {res.tokens} tokens (stopped by {res.stopped_by}){val}, "
-          f"{res.elapsed_s:.0f}s -> {res.out_dir}\nuse it: selfdraft generate --drafter {res.out_dir} -p '...'",
-          file=sys.stderr)
+          f"{res.elapsed_s:.0f}s -> {res.out_dir} ({checkpoint_sizes(res.out_dir)})\n"
+          f"use it: selfdraft generate --drafter {res.out_dir} -p '...'", file=sys.stderr)
+
+
+def checkpoint_sizes(out: Path) -> str:
+    """'model.safetensors 46.1 MB, trainer_state.pt 92.3 MB (resume only; --final-only drops it)'."""
+    from selfdraft.checkpoint import WEIGHTS_FILE
+    from selfdraft.training.trainer import STATE_FILE
+
+    parts = [f"{WEIGHTS_FILE} {(out / WEIGHTS_FILE).stat().st_size / 1e6:.1f} MB"]
+    if (out / STATE_FILE).exists():
+        parts.append(f"{STATE_FILE} {(out / STATE_FILE).stat().st_size / 1e6:.1f} MB (resume only; --final-only drops it)")
+    return ", ".join(parts)
 
 
 # ---------------------------------------------------------------- bench (drafters vs plain decoding vs HF peers)
@@ -434,21 +504,19 @@ def bench_cmd(
     repeats: int = typer.Option(1, "--repeats", help="passes over the prompts; tokens/s = median"),
     seed: int = typer.Option(0, "--seed"),
     peers: bool = typer.Option(True, "--peers/--no-peers", help="also run HF generate() and HF prompt lookup"),
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: torch's)"),
+    threads: int = ThreadsOpt,
     dtype: str = DtypeOpt,
     as_json: bool = typer.Option(False, "--json", help="print results.json to stdout"),
 ) -> None:
     """Benchmark drafters on bundled prompt sets, interleaved in one run; writes a report with plots."""
     import shlex
 
-    import torch
-
     from selfdraft.bench import BenchConfig, load_prompt_set, markdown_table, parse_drafter_spec, run_bench, write_report
     from selfdraft.target import Target, TargetError
 
-    if threads:
-        torch.set_num_threads(threads)
+    _set_threads(threads)
     try:
+        _check_gamma(gamma)
         cfg = BenchConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, gamma=gamma,
                           repeats=repeats, seed=seed, peers=peers,
                           command=shlex.join(["selfdraft", *sys.argv[1:]]))
@@ -475,7 +543,7 @@ def profile_cmd(
     kv_len: int = typer.Option(256, "--kv-len", help="cached tokens each measured forward attends to"),
     repeats: int = typer.Option(5, "--repeats", help="timed forwards per B (the fastest is kept)"),
     measure: bool = typer.Option(True, "--measure/--no-measure", help="--no-measure: reuse the stored profile"),
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: torch's)"),
+    threads: int = ThreadsOpt,
     engine: Optional[str] = typer.Option(None, "--engine", help="also measure engine throughput with this drafter (name or DIR)"),
     concurrency: str = typer.Option("1,4,16", "--concurrency", help="engine: comma list of concurrent requests"),
     schedulers: str = typer.Option("fixed,threshold,hardware", "--schedulers", help="engine: comma list"),
@@ -488,17 +556,16 @@ def profile_cmd(
 ) -> None:
     """Measure SPS(B) (target forwards/s with B tokens per forward), store it beside the target cache,
     print it and plot it; with --engine, also serve prompts at each concurrency with each scheduler."""
-    import torch
-
     from selfdraft.bench import load_prompt_set
     from selfdraft.engine import drafter_factory, engine_throughput
     from selfdraft.profile import geometric_batch_tokens, load_profile, measure_sps, plot_profile, profile_path, save_profile
     from selfdraft.scheduler import Scheduler
     from selfdraft.target import Target, TargetError
 
-    if threads:
-        torch.set_num_threads(threads)
+    _set_threads(threads)
     try:
+        if engine is not None:
+            _check_gamma(gamma)
         tgt = Target.load(target, dtype=dtype)
         path = profile_path(tgt, dtype)
         if measure:
@@ -540,20 +607,17 @@ def calibrate_cmd(
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k", help="0 = off"),
     seed: int = typer.Option(0, "--seed"),
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: torch's)"),
+    threads: int = ThreadsOpt,
     dtype: str = DtypeOpt,
 ) -> None:
     """Fit T_k (Sequential Temperature Scaling) on held-out rounds; store them in the checkpoint with
     calibration.json and a reliability diagram per position (ECE and ROC-AUC before/after)."""
-    import torch
-
     from selfdraft.bench import load_prompt_set
     from selfdraft.target import Target, TargetError
     from selfdraft.training.calibrate import calibrate_checkpoint
     from selfdraft.training.data import DataError, iter_records
 
-    if threads:
-        torch.set_num_threads(threads)
+    _set_threads(threads)
     try:
         if (data is None) == (prompts is None):
             raise ConfigError("give exactly one of --data DIR (held-out split) or --prompts FILE.jsonl")
@@ -562,15 +626,25 @@ def calibrate_cmd(
         if data is not None:
             recs = (r for r in iter_records(data, split) if 1 in r["loss_mask"])
             ids = [r["input_ids"][: r["loss_mask"].index(1)] for r, _ in zip(recs, range(num_prompts))]
+            if not ids:
+                raise ConfigError(f"{data} has no {split!r} conversations to calibrate on (the {split} split is empty): "
+                                  f"regenerate with a larger --limit or --val-fraction, or pass --split train")
         else:
             ids = load_prompt_set(prompts, num_prompts).encode(tgt)
         reports = calibrate_checkpoint(drafter, tgt, ids, params, max_new_tokens, seed)
     except (ConfigError, TargetError, DataError, OSError) as e:
         _fail(str(e))
-    print(f"{'k':>2} {'T_k':>6} {'reached':>7} {'accept':>6} {'ECE before':>10} {'ECE after':>9} {'AUC before':>10} {'AUC after':>9}")
+    print(f"{'k':>2} {'T_k':>6} {'rounds':>6} {'reached':>7} {'accept':>6} {'ECE before':>10} {'ECE after':>9} "
+          f"{'AUC before':>10} {'AUC after':>9}")
     for r in reports:
-        print(f"{r.k:>2} {r.temperature:>6.3f} {r.reached:>7.3f} {r.acceptance:>6.3f} {r.ece_before:>10.4f} "
-              f"{r.ece_after:>9.4f} {r.auc_before:>10.4f} {r.auc_after:>9.4f}")
+        print(f"{r.k:>2} {r.temperature:>6.3f} {r.rounds_reached:>6} {r.reached:>7.3f} {r.acceptance:>6.3f} "
+              f"{r.ece_before:>10.4f} {r.ece_after:>9.4f} {r.auc_before:>10.4f} {r.auc_after:>9.4f}"
+              + (f"  {r.note}" if r.note else ""))
+    unfit = [r.k for r in reports if r.note]
+    if unfit:
+        _warn(f"{len(unfit)} of {len(reports)} positions ({', '.join(map(str, unfit))}) had too few rounds or one class "
+              f"to fit T_k or score the AUC (nan): calibrate on more prompts (--num-prompts; {len(ids)} used) "
+              f"or longer answers (--max-new-tokens)")
     print(f"-> {drafter}/calibration.json, {drafter}/calibration/reliability_k*.png", file=sys.stderr)
 
 
@@ -621,25 +695,22 @@ def serve_cmd(
     model_name: Optional[str] = typer.Option(None, "--model-name", help="the `model` clients send (default: the target's name)"),
     gamma: int = typer.Option(7, "--gamma", help="draft tokens per round (γ)"),
     shutdown_grace: float = typer.Option(10.0, "--shutdown-grace", help="seconds in-flight requests get to finish on SIGINT/SIGTERM"),
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: torch's)"),
+    threads: int = ThreadsOpt,
     dtype: str = DtypeOpt,
     log_level: str = typer.Option("info", "--log-level"),
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, streaming) on the batched speculative engine."""
-    import torch
-
     from selfdraft.engine import drafter_factory
     from selfdraft.profile import load_cost_table
     from selfdraft.scheduler import Scheduler
     from selfdraft.serve import EngineLoop, ServerMetrics, create_app, run_server
     from selfdraft.target import Target, TargetError
 
-    if threads:
-        torch.set_num_threads(threads)
+    _set_threads(threads)
     try:
         if max_concurrency < 1 or (max_batch is not None and max_batch < 1):
             raise ConfigError("--max-concurrency and --max-batch must be >= 1")
-        GenerationConfig(gamma=gamma)  # validates gamma
+        _check_gamma(gamma)
         tgt = Target.load(target, dtype=dtype)
         sched = Scheduler(scheduler, threshold=threshold,
                           cost=load_cost_table(tgt, dtype) if scheduler == "hardware" else None)

@@ -23,6 +23,11 @@ def from_dict(cls: type[T], data: dict[str, Any]) -> T:
 
 
 EMBEDDED_TARGET = "smollm2-135m-instruct"
+# torch CPU threads of every command (--threads). 1, measured: plain decoding on a shared 2-core CPU
+# (bf16, 1 and 2 threads interleaved, load average 11-12) ran at 11.6 and 1.3 tok/s with 1 thread and at
+# 0.1 tok/s with 2, whose threads wait on each other when a core is taken. An idle machine may gain
+# from --threads <its cores>; a busy one loses 10-100x with more threads than free cores.
+DEFAULT_THREADS = 1
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -345,12 +344,12 @@ def run_bench(target: "Target", drafters: list[DrafterSpec], datasets: list[Prom
         for r in runners:
             r.run(prompts[0][0], cfg.seed, min(WARMUP_TOKENS, cfg.max_new_tokens))
 
-    from tqdm.auto import tqdm
+    from selfdraft.progress import progress_bar
 
     machine = machine_info(target)  # before the run: the load average it started under
 
     total = cfg.repeats * sum(len(p) for p in prompts) * len(runners)
-    bar = tqdm(total=total, desc="bench", unit="gen", disable=not cfg.progress, file=sys.stderr, dynamic_ncols=True)
+    bar = progress_bar(total=total, desc="bench", unit="gen", disable=not cfg.progress)
     samples: list[Sample] = []
     t0, turn = time.perf_counter(), 0
     for repeat in range(cfg.repeats):

@@ -19,7 +19,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 from safetensors.torch import load_file, save_file
 
 from selfdraft.checkpoint import FORMAT, WEIGHTS_FILE, CheckpointError, atomic_dir, load_checkpoint
@@ -27,10 +26,12 @@ from selfdraft.config import SamplingParams
 from selfdraft.decode import _slice_step, verify
 from selfdraft.drafters.base import Proposal
 from selfdraft.drafters.dflash import lm_logits
+from selfdraft.progress import progress_bar
 from selfdraft.sampling import probs_from_logits, sample
 from selfdraft.target import Target
 
 TEMPERATURE_GRID = torch.logspace(-1.5, 1.5, 151).tolist()  # 0.03 .. 32, geometric
+MIN_REACHED = 20  # held-out rounds that must reach a position before its T_k is fitted
 
 
 @dataclass
@@ -54,6 +55,8 @@ class PositionReport:
     ece_after: float
     auc_before: float
     auc_after: float
+    rounds_reached: int = 0  # rounds with drafts 1..k-1 accepted (the evidence for T_k)
+    note: str = ""  # why T_k was not fitted or the AUC is undefined; empty when both are sound
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -82,20 +85,35 @@ def prefix_confidence(z: torch.Tensor, temperatures: list[float]) -> torch.Tenso
     return torch.cumprod(torch.sigmoid(z.double() / torch.tensor(temperatures, dtype=torch.float64)), 1)
 
 
+def unfit_reason(rounds: HeldOutRounds, k: int, min_reached: int = MIN_REACHED) -> str:
+    """Why position k (0-based) gives no evidence for T_k, or "" when it does.
+
+    Too few rounds reach it, or its label y_k has one class over all rounds (every round accepts
+    drafts 1..k, or none does): then ECE is minimised at a grid extreme and ROC-AUC is undefined.
+    """
+    y = rounds.survived
+    reached = y.shape[0] if k == 0 else int(y[:, k - 1].sum())
+    if reached < min_reached:
+        return f"too few rounds: {reached} reach position {k + 1} (< {min_reached})"
+    survivors = int(y[:, k].sum())
+    if survivors in (0, y.shape[0]):
+        return f"one class only: {'no' if survivors == 0 else 'every'} round accepts drafts 1..{k + 1}"
+    return ""
+
+
 def sequential_temperature_scaling(
-    rounds: HeldOutRounds, grid: list[float] = TEMPERATURE_GRID, min_reached: int = 20
+    rounds: HeldOutRounds, grid: list[float] = TEMPERATURE_GRID, min_reached: int = MIN_REACHED
 ) -> list[float]:
     """T_k = argmin_T ECE(a_{k-1} σ(z_k / T), y_k), for k = 1..γ in order (T_1..T_{k-1} fixed).
 
-    A position that fewer than `min_reached` held-out rounds reach has no evidence to fit: it keeps
-    the previous position's temperature instead of a degenerate grid extreme.
+    A position without evidence (`unfit_reason`) keeps the previous position's temperature (1 for
+    the first) instead of a degenerate grid extreme.
     """
     y, z = rounds.survived.double(), rounds.z.double()
     a_prev = torch.ones(z.shape[0], dtype=torch.float64)
     temps = []
     for k in range(z.shape[1]):
-        reached = z.shape[0] if k == 0 else int(y[:, k - 1].sum())
-        if reached < min_reached:
+        if unfit_reason(rounds, k, min_reached):
             temps.append(temps[-1] if temps else 1.0)
             a_prev = a_prev * torch.sigmoid(z[:, k] / temps[-1])
             continue
@@ -106,16 +124,21 @@ def sequential_temperature_scaling(
 
 
 def report(rounds: HeldOutRounds, temperatures: list[float]) -> list[PositionReport]:
+    """Per position: T_k, how often it is reached and accepted, ECE and ROC-AUC of a_k before/after,
+    and a note when T_k was not fitted (kept from k-1) or the AUC is undefined (nan)."""
     y = rounds.survived
     before, after = prefix_confidence(rounds.z, [1.0] * len(temperatures)), prefix_confidence(rounds.z, temperatures)
     out = []
     for k, t in enumerate(temperatures):
         reached = torch.ones_like(y[:, 0]).bool() if k == 0 else y[:, k - 1].bool()
+        why = unfit_reason(rounds, k)
+        note = f"{why}; T_{k + 1} {'= 1' if k == 0 else f'kept from position {k}'}" if why else ""
         out.append(PositionReport(
             k=k + 1, temperature=t, reached=float(reached.float().mean()),
             acceptance=float(rounds.accepted[reached, k].float().mean()) if reached.any() else float("nan"),
             ece_before=ece(before[:, k], y[:, k]), ece_after=ece(after[:, k], y[:, k]),
             auc_before=roc_auc(before[:, k], y[:, k]), auc_after=roc_auc(after[:, k], y[:, k]),
+            rounds_reached=int(reached.sum()), note=note,
         ))  # fmt: skip
     return out
 
@@ -132,7 +155,7 @@ def collect_rounds(
     model, gamma, layers = drafter.model, drafter.cfg.gamma, drafter.feature_layers
     gen = torch.Generator().manual_seed(seed)
     zs, accs = [], []
-    for prompt in tqdm(prompts, desc="calibration rounds", unit="prompt", dynamic_ncols=True, disable=None):
+    for prompt in progress_bar(prompts, desc="calibration rounds", unit="prompt"):
         cache = target.new_cache()
         step = target.forward(torch.tensor([prompt]), cache, layers, last_only=True)
         out = [verify(step.logits[0, -1:], Proposal.empty(), params, gen).next_token]

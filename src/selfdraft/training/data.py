@@ -22,7 +22,6 @@ import hashlib
 import json
 import os
 import resource
-import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -256,10 +255,15 @@ def _leading_nonempty(turns: list[str]) -> list[str]:
 
 def select_prompts(
     prompts: list[Prompt], n_tokens: Callable[[Prompt], int], max_prompt_tokens: int, limit: int | None,
-    stats: SourceStats,
+    stats: SourceStats, min_val: int = 0,
 ) -> list[Prompt]:
     """The first `limit` prompts (id order) whose first turn fits max_prompt_tokens; the rest is
-    counted in stats.too_long (only prompts examined before the limit is reached are tokenized)."""
+    counted in stats.too_long (only prompts examined before the limit is reached are tokenized).
+
+    min_val: a small sample whose hash split left fewer than `min_val` validation prompts gets the
+    missing ones from its train prompts nearest the val range (smallest split hash), so that
+    `calibrate --split val` and validation losses have data; at least one prompt stays train.
+    """
     chosen = []
     for p in prompts:
         if limit is not None and len(chosen) >= limit:
@@ -269,6 +273,11 @@ def select_prompts(
         else:
             chosen.append(p)
     stats.kept = len(chosen)
+    missing = min(min_val - sum(p.split == "val" for p in chosen), sum(p.split == "train" for p in chosen) - 1)
+    if missing > 0:
+        nearest = sorted((p for p in chosen if p.split == "train"), key=lambda p: int(p.id[8:16], 16))[:missing]
+        for p in nearest:
+            p.split = "val"
     return chosen
 
 
@@ -638,7 +647,7 @@ def regenerate(
     provenance (command, source stats) goes into the manifest. stop_after_batches simulates a kill
     (tests) after that many batches. Batches are sorted by prompt length so padding stays small.
     """
-    from tqdm import tqdm
+    from selfdraft.progress import progress_bar
 
     out_dir = Path(out_dir)
     manifest = _open_manifest(out_dir, target, cfg, provenance or {})
@@ -651,7 +660,7 @@ def regenerate(
     pending.sort(key=lambda p: (lengths[p.id], p.id))
     batches = [pending[i : i + cfg.batch_size] for i in range(0, len(pending), cfg.batch_size)]
     t0, generated, written = time.perf_counter(), 0, 0
-    bar = tqdm(total=len(pending), unit="conv", disable=not progress, file=sys.stderr, dynamic_ncols=True)
+    bar = progress_bar(total=len(pending), desc="regenerate", unit="conv", disable=not progress)
     for b, batch in enumerate(batches):
         if stop_after_batches is not None and b >= stop_after_batches:
             break

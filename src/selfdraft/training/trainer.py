@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import torch
-from tqdm import tqdm
 
 from selfdraft.checkpoint import (
     CONFIG_FILE,
@@ -40,6 +39,7 @@ from selfdraft.checkpoint import (
     write_checkpoint_files,
 )
 from selfdraft.config import ConfigError, DrafterConfig, TrainConfig, from_dict
+from selfdraft.progress import progress_bar
 from selfdraft.target import Target
 from selfdraft.training.strategy import STRATEGIES, Batch, LossOutput, Strategy
 
@@ -282,8 +282,7 @@ def _train(target, drafter_cfg, train_cfg, out_dir, strategy, resume, on_step, d
         if dist.rank == 0:
             bar.write(f"step {v.step}: val loss {v.loss:.4f} " + " ".join(f"{k} {x:.3f}" for k, x in v.metrics.items()))
 
-    bar = tqdm(total=train_cfg.steps, initial=run.step, desc=f"train {cfg.method}", dynamic_ncols=True,
-               disable=True if dist.rank else None)  # fmt: skip
+    bar = progress_bar(total=train_cfg.steps, initial=run.step, desc=f"train {cfg.method}", disable=dist.rank != 0)
     while run.step < train_cfg.steps and not (train_cfg.token_budget and run.tokens >= train_cfg.token_budget):
         # 3. One optimizer step: lr from the schedule, grad_accum micro-batches, clip, update.
         t0 = time.perf_counter()
