@@ -149,6 +149,8 @@ class BlockTraining(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, BlockTraining())
 failed = []
 for mod in sys.argv[1:]:
+    for name in [m for m in sys.modules if m == "selfdraft" or m.startswith("selfdraft.")]:
+        del sys.modules[name]  # each module from scratch (torch etc. stay loaded)
     try:
         importlib.import_module(mod)
     except ImportError as e:
@@ -159,7 +161,8 @@ sys.exit(1 if failed else 0)
 
 
 def import_blocked(modules: list[str]) -> subprocess.CompletedProcess:
-    """Import each module in a fresh interpreter where any selfdraft.training* import raises."""
+    """Import each module afresh (no selfdraft module loaded before it) in an interpreter where any
+    selfdraft.training* import raises."""
     return subprocess.run([sys.executable, "-c", BLOCKER, *modules], capture_output=True, text=True,
                           env={"PYTHONPATH": str(SRC), "PATH": "", "OMP_NUM_THREADS": "1"}, timeout=300)
 
