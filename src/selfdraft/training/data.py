@@ -740,7 +740,7 @@ def _write_json(path: Path, obj: dict) -> None:
 
 @dataclass
 class DraftVocab:
-    """A reduced draft vocabulary (speculators convention, DESIGN section 5)."""
+    """A reduced draft vocabulary (speculators convention, docs/data.md#draft-vocabulary)."""
 
     d2t: torch.Tensor  # [size] int64 offsets: target_id = draft_id + d2t[draft_id]
     t2d: torch.Tensor  # [vocab_size] bool: target token is in the draft vocab
