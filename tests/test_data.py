@@ -129,15 +129,24 @@ def test_split_is_a_stable_function_of_the_prompt():
     assert 0 < [split_of(i, 0.05) for i in first].count("val") < 30
 
 
-@pytest.mark.parametrize("where", ["shared", "component", "bundled"])
+@pytest.mark.parametrize("where", ["component", "component-symlink", "bundled", "copy"])
 def test_evaluation_prompts_refused(tmp_path, where):
     import selfdraft.training.data as data
 
+    bundled = Path(data.__file__).resolve().parents[1] / "bench" / "prompts"
     path = {
-        "shared": Path("/work/shared/data/eval/alpaca.jsonl"),
         "component": tmp_path / "data" / "eval" / "mine.jsonl",
-        "bundled": Path(data.__file__).resolve().parents[1] / "bench" / "prompts" / "mt_bench.jsonl",
+        "component-symlink": tmp_path / "data" / "eval" / "link.jsonl",  # resolves outside data/eval
+        "bundled": bundled / "mt-bench.jsonl",
+        "copy": tmp_path / "elsewhere" / "prompts.jsonl",  # the bytes of a bundled file, renamed
     }[where]
+    if where == "component-symlink":
+        (tmp_path / "real.jsonl").write_text(json.dumps({"turns": ["hi"]}) + "\n")
+        path.parent.mkdir(parents=True)
+        path.symlink_to(tmp_path / "real.jsonl")
+    if where == "copy":
+        path.parent.mkdir(parents=True)
+        path.write_bytes((bundled / "qa.jsonl").read_bytes())
     with pytest.raises(DataError, match="evaluation"):
         check_not_eval(path)
     if where == "component":
@@ -145,7 +154,12 @@ def test_evaluation_prompts_refused(tmp_path, where):
         write_jsonl(path, [json.dumps({"turns": ["hi"]})])
         with pytest.raises(DataError, match="evaluation"):
             collect_prompts([str(path)])
-    check_not_eval(tmp_path / "data" / "train.jsonl")  # a neighbour is fine
+    # Neighbours are fine: another file, a different file of a bundled file's size, an "eval" dir elsewhere.
+    check_not_eval(tmp_path / "data" / "train.jsonl")
+    check_not_eval(tmp_path / "eval" / "x.jsonl")
+    near = tmp_path / "near.jsonl"
+    near.write_bytes(b"x" * (bundled / "qa.jsonl").stat().st_size)
+    check_not_eval(near)
 
 
 # ---------------------------------------------------------------- assistant mask
@@ -423,5 +437,8 @@ def test_data_cli_end_to_end(tmp_path):
     res = runner.invoke(app, ["data", "features", str(data), "--out", str(feats), "--feature-layers", "1,27"])
     assert res.exit_code == 0, res.output
     assert FeatureCache(feats)[0].features.shape[1:] == (2, 576)
-    res = runner.invoke(app, ["data", "regenerate", "/work/shared/data/eval/alpaca.jsonl", "--out", str(data)])
+    evals = tmp_path / "data" / "eval"
+    evals.mkdir(parents=True)
+    write_jsonl(evals / "alpaca.jsonl", [json.dumps({"turns": ["hi"]})])
+    res = runner.invoke(app, ["data", "regenerate", str(evals / "alpaca.jsonl"), "--out", str(data)])
     assert res.exit_code == 2 and "evaluation" in res.output

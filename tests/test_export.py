@@ -152,7 +152,7 @@ def test_foreign_checkpoint_without_selfdraft_fields(target, tmp_path):
 
 
 # ------------------------------------------------------------------ config validation
-# The speculators fields (DESIGN 12, speculators 0.9.0's config classes): always checked.
+# The speculators fields (docs/architecture.md#checkpoints-and-export, speculators 0.9.0's config classes): always checked.
 SCHEMA = {
     "common": {"architectures": list, "speculators_model_type": str, "speculators_version": str,
                "speculators_config": dict, "transformer_layer_config": dict},

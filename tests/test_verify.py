@@ -1,4 +1,4 @@
-"""Verification rules against brute-force enumeration of small distributions (DESIGN section 2)."""
+"""Verification rules against brute-force enumeration of small distributions (docs/verification.md)."""
 
 from __future__ import annotations
 

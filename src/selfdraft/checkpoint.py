@@ -1,4 +1,4 @@
-"""Drafter checkpoint directories (DESIGN section 12): save, validate, load.
+"""Drafter checkpoint directories (docs/architecture.md#checkpoints-and-export): save, validate, load.
 
 A checkpoint is a directory holding
   config.json        {"format": "selfdraft-drafter", "version": 1, "method", "drafter": DrafterConfig,

@@ -32,7 +32,7 @@ DEFAULT_THREADS = 1
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How both p (target) and q (draft) are processed before verification (DESIGN section 2).
+    """How both p (target) and q (draft) are processed before verification (docs/verification.md#sampling-transforms).
 
     temperature == 0 means greedy. top_k == 0 and top_p == 1 disable those filters.
     """
@@ -100,13 +100,13 @@ class DrafterConfig:
     w_ce: float = 0.1
     w_tv: float = 0.9
     w_conf: float = 1.0
-    # EAGLE-3 (DESIGN 5)
+    # EAGLE-3 (docs/methods/eagle3.md)
     draft_vocab_size: int = 8192  # own LM head over the most frequent training tokens; 0 or >= target vocab = all
     ttt_decay: float = 0.8  # training-time test: step j (0-based) weighs ttt_decay^j
     tree_depth: int = 0  # EAGLE-2 dynamic draft tree of this depth at inference; 0 = chain of γ drafts
     tree_top_k: int = 10  # children expanded per frontier node, and frontier nodes kept per depth
     tree_total_tokens: int = 60  # tree nodes verified per round, anchor included
-    # MTP (DESIGN 4)
+    # MTP (docs/methods/mtp.md)
     mtp_modules: int = 1  # D stacked DeepSeek-V3 modules
     mtp_recursive: bool = True  # also draft depths D+1..γ by reusing the last module (False: D drafts)
     mtp_decay: float = 0.6  # depth d weighs mtp_decay^(d-1) (normalised)

@@ -1,4 +1,4 @@
-"""The speculative decoding loop for one request (DESIGN section 2 and the data flow of section 13)."""
+"""The speculative decoding loop for one request (docs/architecture.md#one-round)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ class GenerationResult:
 
     @property
     def tau(self) -> float:
-        """τ = mean accepted length per round (DESIGN section 2)."""
+        """τ = mean accepted length per round (docs/verification.md#metrics)."""
         return sum(self.accepted_lengths) / max(1, len(self.rounds))
 
     @property

@@ -1,4 +1,4 @@
-"""Batched speculative engine: many requests, ONE target forward per step (DESIGN sections 2, 8, 13).
+"""Batched speculative engine: many requests, ONE target forward per step (docs/architecture.md#batched-engine).
 
 Each request has its own committed tokens, drafter instance, SamplingParams and torch.Generator.
 A step: every active request drafts, the `Scheduler` picks ℓ_r, all requests' [anchor, first ℓ_r

@@ -1,4 +1,4 @@
-"""Interop with the `speculators` checkpoint format that vLLM loads (DESIGN section 12).
+"""Interop with the `speculators` checkpoint format that vLLM loads (docs/architecture.md#checkpoints-and-export).
 
 A speculators checkpoint is a directory with
   config.json        {"speculators_model_type": eagle3 | dflash | dspark | mtp, "architectures",

@@ -1,4 +1,4 @@
-"""The hardware cost table SPS(B) (DESIGN section 8): target forwards per second when one forward
+"""The hardware cost table SPS(B) (docs/scheduler.md#cost-table): target forwards per second when one forward
 carries B tokens, measured once per (target, dtype, machine) and stored beside the target cache as
 cache_root()/profiles/<fingerprint>-<dtype>.json; the hardware scheduler interpolates it.
 

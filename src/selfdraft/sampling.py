@@ -39,7 +39,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """norm(max(0, p - q)): where to sample after rejecting a draft token (DESIGN section 2).
+    """norm(max(0, p - q)): where to sample after rejecting a draft token (docs/verification.md#residual-distribution).
 
     If p == q exactly the residual is empty; rejection then has probability 0, so any
     distribution is valid: we return p to stay well defined.

@@ -1,4 +1,4 @@
-"""How many drafts each request verifies this step (DESIGN section 8): fixed | threshold | hardware.
+"""How many drafts each request verifies this step (docs/scheduler.md): fixed | threshold | hardware.
 
 Pure functions on confidences and a cost table, plus the `Scheduler` the engine calls.
 Notation (DSpark paper): c_{r,k} ≈ P(draft k of request r accepted | drafts 1..k-1 accepted),
@@ -67,7 +67,7 @@ def threshold_lengths(confidences: Sequence[torch.Tensor], threshold: float) -> 
 def hardware_lengths(
     confidences: Sequence[torch.Tensor], sps: Callable[[int], float], base: int | None = None, early_stop: bool = True
 ) -> list[int]:
-    """DSpark Algorithm 1 (DESIGN section 8). confidences: R tensors [γ_r] -> ℓ_r per request.
+    """DSpark Algorithm 1 (docs/scheduler.md#algorithm-1). confidences: R tensors [γ_r] -> ℓ_r per request.
 
     `base` = tokens verified regardless (default R: one anchor slot per request; the engine adds
     the drafts of requests whose drafter has no confidences, counted as accepted, as `fixed` does).

@@ -178,7 +178,7 @@ class Target:
 
     # ---------------------------------------------------------------- identity
     def default_feature_layers(self, n: int = 5) -> tuple[int, ...]:
-        """n layers spread evenly between 1 and L - 3 (DFlash/DSpark convention, DESIGN section 3)."""
+        """n layers spread evenly between 1 and L - 3 (DFlash/DSpark convention, docs/architecture.md#feature-layers)."""
         lo, hi = 1, max(1, self.num_layers - 3)
         if n == 1:
             return (hi,)

@@ -5,7 +5,7 @@ topological order with parent pointers, parents[i] < i, and -1 for a child of th
 target verifies the block [anchor, node_0, .., node_{N-1}] in ONE forward: block row 0 is the
 anchor and row i + 1 is node i. Every row attends to the whole committed prefix (the KV cache) and,
 inside the block, to itself and its ancestors; its position is past + depth (anchor depth 0), so a
-root-to-leaf path sees exactly what a chain forward of that path would see (DESIGN section 5).
+root-to-leaf path sees exactly what a chain forward of that path would see (docs/verification.md#draft-trees).
 
 After verification only the accepted path's rows stay in the KV cache (`commit_path`).
 """

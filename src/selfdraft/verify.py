@@ -1,4 +1,4 @@
-"""Verification as pure functions (DESIGN section 2). Inputs are already-processed probabilities.
+"""Verification as pure functions (docs/verification.md). Inputs are already-processed probabilities.
 
 Shapes: γ = number of draft tokens, V = vocab.
   p: [γ+1, V] target probabilities at the γ+1 verified positions (last + drafts)
@@ -66,7 +66,7 @@ class TreeVerification(Verification):
 def verify_tree(
     p: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, generator: torch.Generator | None = None
 ) -> TreeVerification:
-    """Deterministic draft tree (q one-hot per child): the SpecInfer / EAGLE sibling rule (DESIGN 2).
+    """Deterministic draft tree (q one-hot per child): the SpecInfer / EAGLE sibling rule (docs/verification.md#the-sibling-rule).
 
     p: [N+1, V] target probabilities at block rows [anchor, nodes]; tokens, parents: [N] (tree.py).
     From the anchor: try the children of the current node in order; accept child x with probability

@@ -95,7 +95,8 @@ def load_prompt_set(spec: str, num_prompts: int | None = None) -> PromptSet:
     if not texts:
         raise DatasetError(f"{path} holds no usable prompt ({malformed} malformed lines); expected "
                            f'{{"turns": ["..."]}} per line')
-    return PromptSet(name=name, source=str(path), texts=texts, malformed=malformed)
+    source = f"selfdraft/bench/prompts/{spec}.jsonl" if spec in bundled_names() else str(path)  # no machine paths
+    return PromptSet(name=name, source=source, texts=texts, malformed=malformed)
 
 
 def _first_turn(line: str) -> str | None:

@@ -29,7 +29,7 @@ class Proposal:
     q: torch.Tensor | None = None  # [γ', V] probabilities the drafts were sampled from; None = deterministic (one-hot)
     confidences: torch.Tensor | None = None  # [γ'] c_k ≈ P(draft k accepted | 1..k-1 accepted)
     # A draft tree (EAGLE-2): parent index of each node (-1 = the anchor), parents[i] < i. Tree
-    # drafts are deterministic (q is None): verification uses the sibling rule (DESIGN 2, tree.py).
+    # drafts are deterministic (q is None): verification uses the sibling rule (docs/verification.md#the-sibling-rule, tree.py).
     parents: torch.Tensor | None = None  # [γ'] int64, None = a chain
 
     @classmethod

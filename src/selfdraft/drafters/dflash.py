@@ -1,4 +1,4 @@
-"""DFlash: a block-parallel drafter on the target's fused hidden states (DESIGN section 6).
+"""DFlash: a block-parallel drafter on the target's fused hidden states (docs/methods/dflash.md).
 
 One forward of N decoder layers (as wide as the target) turns a block [anchor, mask, .., mask]
 into γ draft logits U_1..U_γ at once. Every layer attends to the fused context
@@ -184,7 +184,7 @@ def prepare_draft_vocab(model: "DFlashModel", cfg: DrafterConfig, target: Target
 
 
 def resolve_feature_layers(cfg: DrafterConfig, target: Target) -> tuple[int, ...]:
-    """Fill cfg.feature_layers with the target's default (DESIGN 3) when empty, so checkpoints record them."""
+    """Fill cfg.feature_layers with the target's default (docs/architecture.md#feature-layers) when empty, so checkpoints record them."""
     if not cfg.feature_layers:
         cfg.feature_layers = target.default_feature_layers()
     return cfg.feature_layers
@@ -242,7 +242,7 @@ def draft_losses(
 def teacher_forced_blocks(
     model: DFlashModel, batch: Batch, target: Target, cfg: DrafterConfig, generator: torch.Generator | None
 ) -> TeacherForced:
-    """Sample anchors, then run every block of every sequence in ONE backbone forward (DESIGN 6)."""
+    """Sample anchors, then run every block of every sequence in ONE backbone forward (docs/methods/dflash.md#training-on-many-anchors)."""
     ids = batch.input_ids  # [B, T]
     B, T = ids.shape
     # 1. Anchors t whose next token is a supervised assistant token (up to cfg.anchors_per_seq).
@@ -267,7 +267,7 @@ def teacher_forced_blocks(
 
 
 class DFlashStrategy(Strategy):
-    """DFlash: position-weighted cross-entropy against the hard next tokens (DESIGN 6)."""
+    """DFlash: position-weighted cross-entropy against the hard next tokens (docs/methods/dflash.md#training-loss)."""
 
     method = "dflash"
 

@@ -1,4 +1,4 @@
-"""DSpark = DFlash backbone + Markov head + confidence head (DESIGN section 7).
+"""DSpark = DFlash backbone + Markov head + confidence head (docs/methods/dspark.md).
 
 Draft distribution p_k(v | x_0, x_<k) = softmax(U_k + B_k)(v): U_k the backbone logits, B_k a
 low-rank bias from the previous token x_{k-1} (x_0 = the anchor). Locally normalised, so the q_k
@@ -131,7 +131,7 @@ class DSparkModel(DFlashModel):
 
 
 class DSparkStrategy(DFlashStrategy):
-    """L = w_ce L_ce + w_tv L_tv + w_conf L_conf, each position weighted (DESIGN 7)."""
+    """L = w_ce L_ce + w_tv L_tv + w_conf L_conf, each position weighted (docs/methods/dspark.md#training-loss)."""
 
     method = "dspark"
 

@@ -1,4 +1,4 @@
-"""EAGLE-3: a one-layer autoregressive head on fused target features (DESIGN section 5).
+"""EAGLE-3: a one-layer autoregressive head on fused target features (docs/methods/eagle3.md).
 
 Slot t (a committed position) feeds the head g_t = fc([h_low; h_mid; h_high]_t) (3H -> H, no bias)
 and the embedding of the next token x_{t+1}; the head's output predicts x_{t+2}. The decoder layer's
@@ -32,7 +32,7 @@ from selfdraft.training.strategy import Batch, LossOutput, Strategy, register_st
 
 
 def eagle3_feature_layers(num_layers: int) -> tuple[int, ...]:
-    """Low / mid / high = [1, L/2 - 1, L - 4] (DESIGN 3), deduplicated for very shallow targets."""
+    """Low / mid / high = [1, L/2 - 1, L - 4] (docs/architecture.md#feature-layers), deduplicated for very shallow targets."""
     return tuple(sorted({1, num_layers // 2 - 1, num_layers - 4} & set(range(num_layers - 1)))) or (0,)
 
 
@@ -155,7 +155,7 @@ def ttt_states(model: Eagle3Model, target: Target, ids: torch.Tensor, features: 
 
 
 class Eagle3Strategy(Strategy):
-    """Training-time test over γ unrolled steps, Σ_j ttt_decay^j · soft-CE_j (DESIGN 5)."""
+    """Training-time test over γ unrolled steps, Σ_j ttt_decay^j · soft-CE_j (docs/methods/eagle3.md#training-loss)."""
 
     method = "eagle3"
 

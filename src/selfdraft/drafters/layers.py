@@ -1,5 +1,5 @@
 """Shared blocks for the parallel drafters: RMSNorm, rotary embedding, and a Llama-style decoder
-layer with KV injection (DESIGN section 6).
+layer with KV injection (docs/methods/dflash.md#kv-injection).
 
 KV injection: queries come only from the draft block X; keys/values are the concatenation of the
 fused target context C and the block, [W_K C ; W_K X] and [W_V C ; W_V X]. The context half does

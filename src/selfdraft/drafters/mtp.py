@@ -1,4 +1,4 @@
-"""MTP: DeepSeek-V3 multi-token prediction modules on the frozen target (DESIGN section 4).
+"""MTP: DeepSeek-V3 multi-token prediction modules on the frozen target (docs/methods/mtp.md).
 
 Depth d (d = 1..K) at slot t (DeepSeek-V3 report, eqs. 21-23):
     h'^d_t = W_proj [RMSNorm(Emb(x_{t+d})) ; RMSNorm(h^{d-1}_t)]      (2H -> H, no bias, embedding first)
@@ -96,7 +96,7 @@ def mtp_states(model: MTPModel, target: Target, ids: torch.Tensor, h0: torch.Ten
 
 
 class MTPStrategy(Strategy):
-    """Cross-entropy per depth against the next tokens, weighted mtp_decay^(d-1), normalised (DESIGN 4)."""
+    """Cross-entropy per depth against the next tokens, weighted mtp_decay^(d-1), normalised (docs/methods/mtp.md#training-loss)."""
 
     method = "mtp"
 

@@ -1,4 +1,4 @@
-"""Sequential Temperature Scaling of the DSpark confidence head (DESIGN section 7).
+"""Sequential Temperature Scaling of the DSpark confidence head (docs/calibration.md).
 
 1. Collect held-out rounds with full-block verification: per round, the raw confidence logits
    z_k (k = 1..γ) and whether draft k is accepted given drafts 1..k-1 are (greedy: x_k equals the

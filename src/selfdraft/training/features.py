@@ -1,7 +1,7 @@
 """Target features for training: computed online (`compute_features`) or cached on disk.
 
 Drafters read the hidden states of a few target layers plus the final hidden state, from which
-the frozen LM head gives p_t when training (DESIGN sections 3 and 11: full-vocabulary logits are
+the frozen LM head gives p_t when training (docs/architecture.md#feature-layers, docs/training.md#feature-cache: full-vocabulary logits are
 never stored). The cache is a directory of bf16 safetensors shards, memory-mapped on read:
 
     FEATDIR/index.json               target identity, feature layers, per-record shard/offset/length
@@ -36,7 +36,7 @@ BYTES_PER_TOKEN_IDS = 9  # int32 id + uint8 mask + float32 lse
 
 @dataclass(frozen=True)
 class FeatureSpec:
-    feature_layers: tuple[int, ...]  # 0-based decoder layers (DESIGN section 3)
+    feature_layers: tuple[int, ...]  # 0-based decoder layers (docs/architecture.md#feature-layers)
     max_seq_len: int = 2048  # longer conversations are truncated (training never sees more)
     shard_tokens: int = 65536  # tokens per shard: 65536 x 6 x 576 x 2 B ~ 450 MB with 5 layers
     batch_size: int = 4  # sequences per target forward (sorted by length, right-padded)

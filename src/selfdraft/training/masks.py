@@ -1,4 +1,4 @@
-"""Block layout for training parallel drafters on many anchors at once (DESIGN section 6).
+"""Block layout for training parallel drafters on many anchors at once (docs/methods/dflash.md#training-on-many-anchors).
 
 An anchor t is the last verified token of a round: a block of L slots starts at position t and
 sees the context (target features) of positions strictly before t. All A blocks of a sequence run
@@ -73,7 +73,7 @@ def ttt_attention_mask(slots: int, steps: int) -> torch.Tensor:
     Row j·S + t is slot t at unrolled step j (it drafts token t + j + 2 at position t + j); column
     i·S + s is slot s's key at step i. Step 0 is causal over the real target features (s <= t);
     step j >= 1 adds only its own slot's keys of steps 1..j, exactly the draft chain inference
-    builds on top of the committed context (DESIGN 5). Step j's queries use the first (j+1)·S keys.
+    builds on top of the committed context (docs/methods/eagle3.md#training-time-test). Step j's queries use the first (j+1)·S keys.
     """
     t = torch.arange(slots)
     causal = t[None, :] <= t[:, None]  # [S, S]

@@ -1,4 +1,4 @@
-"""Loss pieces shared by the parallel drafters (DESIGN sections 6 and 7).
+"""Loss pieces shared by the parallel drafters (docs/methods/dflash.md, docs/methods/dspark.md).
 
 Every loss is position weighted: block position k (1-based) has weight w_k = exp(-(k-1)/decay),
 and a loss over the N supervised positions of a batch is Σ w_k ℓ / Σ w_k. Positions are passed
@@ -29,7 +29,7 @@ def weighted_mean(values: torch.Tensor, k_idx: torch.Tensor, w: torch.Tensor) ->
 @torch.no_grad()
 def target_probs(target: Target, last_hidden: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     """p_t: [N, H] final target hidden states -> [N, V] float32 target distributions, computed
-    from the frozen LM head in chunks of positions (never stored per token, DESIGN section 11)."""
+    from the frozen LM head in chunks of positions (never stored per token, docs/training.md#feature-cache)."""
     w_dtype = target.model.get_output_embeddings().weight.dtype
     parts = [
         torch.softmax(target.lm_head(h.to(w_dtype)).float(), dim=-1) for h in last_hidden.split(chunk)
@@ -43,7 +43,7 @@ def l1_distance(p_d: torch.Tensor, p_t: torch.Tensor) -> torch.Tensor:
 
 
 def confidence_labels(l1: torch.Tensor) -> torch.Tensor:
-    """Soft acceptance label c*_k = 1 - ½||p_d,k - p_t,k||_1 = Σ_v min(p_d, p_t) (DESIGN 7), detached.
+    """Soft acceptance label c*_k = 1 - ½||p_d,k - p_t,k||_1 = Σ_v min(p_d, p_t) (docs/methods/dspark.md#training-loss), detached.
 
     l1: [N] from l1_distance (reused, so the [N, V] difference is formed once) -> [N]."""
     return (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)

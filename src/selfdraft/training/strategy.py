@@ -56,7 +56,7 @@ class Strategy:
         raise NotImplementedError
 
     def default_feature_layers(self, target: "Target") -> tuple[int, ...]:
-        """Feature layers when the config gives none (DESIGN 3: DFlash/DSpark spread 5 layers)."""
+        """Feature layers when the config gives none (docs/architecture.md#feature-layers: DFlash/DSpark spread 5 layers)."""
         return target.default_feature_layers()
 
     def prepare(self, model: torch.nn.Module, cfg: DrafterConfig, target: "Target", data_dir: str) -> None:

@@ -3,7 +3,7 @@
 nanoGPT style: `train()` is the whole loop on one screen, with numbered steps. The target is
 frozen and runs online under no-grad to give each micro-batch its feature-layer and last hidden
 states; only the drafter's parameters are optimised (AdamW, linear warmup + cosine, gradient
-clipping, bf16 autocast, gradient accumulation). A checkpoint (DESIGN section 12) plus
+clipping, bf16 autocast, gradient accumulation). A checkpoint (docs/training.md#checkpoints-and-resuming) plus
 `trainer_state.pt` (optimizer, step, tokens, RNG, data position) is written atomically every
 `save_every` steps, so `resume=True` continues the exact same run after a kill.
 
