@@ -198,10 +198,9 @@ def test_inference_modules_import_without_training():
 # ----------------------------------------------------------------------------- self-contained files
 DOC_WORD = "DES" + "IGN"  # spelled in two parts, so a grep for the word finds real citations only
 OUTSIDE_DOC = re.compile(rf"\b{DOC_WORD}(?:\.md|\s+(?:sections?\s+)?\d)")  # a design document not in this repository
-MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:work|root)/|(?<![\w/-])(?:\.\./)*shared/")  # this machine's paths, its shared/ dir
+MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:work|root)/|(?<![\w/-])(?:\.\./)*" + "sha" + "red/")  # this machine's paths and its shared folder
 SKIP = (
     ".gitignore",  # its patterns are repository-relative: a leading slash means the repository root
-    "scripts/fix_design_refs.py",  # rewrites the old citations, so it must spell them
 )
 
 
