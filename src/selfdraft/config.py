@@ -81,6 +81,9 @@ class DrafterConfig:
     loss_decay: float = 4.0  # position weight w_k = exp(-(k-1)/loss_decay)
     anchors_per_seq: int = 32  # training blocks sampled per sequence (DeepSpec: 512 on long data)
     init_from_target: bool = False  # DFlash/DSpark: start draft layers from the target's last layers
+    # DFlash/DSpark mask slots: -1 = a learned mask embedding; >= 0 = the target's own (frozen) embedding
+    # row of this token id, as vLLM / speculators build them (embed_tokens[mask_token_id])
+    mask_token_id: int = -1
     # DSpark heads (ignored by dflash)
     markov_rank: int = 64  # r of the Markov head (paper 256; 0 disables the head)
     markov_head: str = "vanilla"  # vanilla | gated | rnn
@@ -97,6 +100,7 @@ class DrafterConfig:
     # MTP (DESIGN 4)
     mtp_modules: int = 1  # D stacked DeepSeek-V3 modules
     mtp_recursive: bool = True  # also draft depths D+1..γ by reusing the last module (False: D drafts)
+    mtp_normed_handoff: bool = False  # depth d+1 reads RMSNorm_d(h^d) (speculators' MTP) instead of h^d (DeepSeek-V3)
     mtp_decay: float = 0.6  # depth d weighs mtp_decay^(d-1) (normalised)
 
     def __post_init__(self) -> None:
@@ -105,6 +109,8 @@ class DrafterConfig:
             raise ConfigError(f"gamma and num_layers must be >= 1 (got {self.gamma}, {self.num_layers})")
         if self.markov_head not in ("vanilla", "gated", "rnn"):
             raise ConfigError(f"markov_head must be vanilla, gated or rnn, got {self.markov_head!r}")
+        if self.mask_token_id < -1:
+            raise ConfigError(f"mask_token_id must be -1 (learned mask embedding) or a token id >= 0, got {self.mask_token_id}")
         if self.markov_rank < 0 or self.loss_decay <= 0 or self.anchors_per_seq < 1:
             raise ConfigError("markov_rank >= 0, loss_decay > 0 and anchors_per_seq >= 1 are required")
         if self.draft_vocab_size < 0 or not (self.ttt_decay > 0 and self.mtp_decay > 0):

@@ -53,7 +53,9 @@ class DFlashModel(nn.Module):
         H = shape.hidden
         self.fc = nn.Linear(len(cfg.feature_layers) * H, H, bias=False)
         self.context_norm = RMSNorm(H, shape.eps)
-        self.mask_embedding = nn.Parameter(torch.randn(H) * 0.02)  # learnable, not a vocab token
+        if cfg.mask_token_id < 0:
+            self.mask_embedding = nn.Parameter(torch.randn(H) * 0.02)  # learnable, not a vocab token
+        # else: a frozen copy of the target's embedding row, set by `use_mask_token` (not in the state dict)
         self.layers = nn.ModuleList(InjectedDecoderLayer(shape) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(H, shape.eps)
         self.rotary = Rotary(shape.head_dim, shape.rope_theta)
@@ -61,6 +63,16 @@ class DFlashModel(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
+
+    @torch.no_grad()
+    def use_mask_token(self, target: Target, token_id: int) -> None:
+        """Mask slots = the target's embedding of `token_id` (cfg.mask_token_id >= 0), as vLLM embeds them.
+
+        A non-persistent buffer: frozen, follows .to(), never saved (the verifier provides it)."""
+        if not 0 <= token_id < target.vocab_size:
+            raise ConfigError(f"mask_token_id {token_id} is outside the target vocabulary (0..{target.vocab_size - 1})")
+        row = target.embed(torch.tensor([token_id], device=target.model.device))[0]  # [H]
+        self.register_buffer("mask_embedding", row.detach().to("cpu", self.dtype).clone(), persistent=False)
 
     @torch.no_grad()
     def init_from_target(self, target: Target) -> None:
@@ -136,6 +148,12 @@ def lm_logits(target: Target, h: torch.Tensor, rows: torch.Tensor | None = None)
     return target.lm_head(h.to(w_dtype)).float()
 
 
+def with_mask_token(model: "DFlashModel", cfg: DrafterConfig, target: Target) -> "DFlashModel":
+    if cfg.mask_token_id >= 0:
+        model.use_mask_token(target, cfg.mask_token_id)
+    return model
+
+
 def warm_start(model: "DFlashModel", cfg: DrafterConfig, target: Target) -> "DFlashModel":
     if cfg.init_from_target:
         model.init_from_target(target)
@@ -199,7 +217,7 @@ class DFlashStrategy(Strategy):
 
     def build(self, cfg: DrafterConfig, target: Target) -> DFlashModel:
         resolve_feature_layers(cfg, target)
-        return warm_start(DFlashModel(cfg, LayerShape.from_hf(target.model.config, cfg.qk_norm)), cfg, target)
+        return warm_start(with_mask_token(DFlashModel(cfg, LayerShape.from_hf(target.model.config, cfg.qk_norm)), cfg, target), cfg, target)
 
     def loss(self, model, batch: Batch, target: Target, cfg: DrafterConfig, generator) -> LossOutput:
         tf = teacher_forced_blocks(model, batch, target, cfg, generator)

@@ -30,6 +30,7 @@ from selfdraft.drafters.dflash import (
     resolve_feature_layers,
     teacher_forced_blocks,
     warm_start,
+    with_mask_token,
 )
 from selfdraft.drafters.layers import LayerShape
 from selfdraft.target import Target
@@ -144,7 +145,8 @@ class DSparkStrategy(DFlashStrategy):
 
     def build(self, cfg: DrafterConfig, target: Target) -> DSparkModel:
         resolve_feature_layers(cfg, target)
-        return warm_start(DSparkModel(cfg, LayerShape.from_hf(target.model.config, cfg.qk_norm), target.vocab_size), cfg, target)
+        model = DSparkModel(cfg, LayerShape.from_hf(target.model.config, cfg.qk_norm), target.vocab_size)
+        return warm_start(with_mask_token(model, cfg, target), cfg, target)
 
     def loss(self, model: DSparkModel, batch: Batch, target: Target, cfg: DrafterConfig, generator) -> LossOutput:
         # 1. Backbone over all blocks; heads teacher forced on ground-truth previous tokens.
