@@ -147,6 +147,29 @@ def test_round_trip_gives_identical_drafts(target, name, tmp_path):
     assert ra.token_ids == rb.token_ids and ra.accepted_lengths == rb.accepted_lengths
 
 
+def test_mask_token_id_uses_the_targets_frozen_embedding_row(target):
+    """mask_token_id >= 0: the mask slots are the target's embedding row (no parameter, nothing saved), i.e. the
+    same function as a learned mask vector equal to that row; vLLM builds exactly this."""
+    torch.manual_seed(0)
+    row_model = STRATEGIES["dspark"].build(DrafterConfig(**CONFIGS["dspark"]), target).float()
+    assert "mask_embedding" not in row_model.state_dict()
+    assert "mask_embedding" not in dict(row_model.named_parameters())
+    assert torch.equal(row_model.mask_embedding, target.embed(torch.tensor(7)))
+    learned = STRATEGIES["dspark"].build(DrafterConfig(**{**CONFIGS["dspark"], "mask_token_id": -1}), target).float()
+    learned.load_state_dict({**row_model.state_dict(), "mask_embedding": target.embed(torch.tensor(7)).detach()})
+    T, pos = 10, torch.tensor([[4, 8]])
+    feats = torch.randn(1, T, len(row_model.fc.weight[0]) // target.hidden_size, target.hidden_size)
+    from selfdraft.training.masks import block_attention_mask
+
+    def h(m):
+        ctx = m.context_kv(m.context(feats), torch.arange(T)[None])
+        return m.backbone(ctx, target.embed(torch.tensor([[3, 5]])), pos, block_attention_mask(pos, T, m.block_len))
+
+    assert torch.equal(h(row_model), h(learned))
+    learned.mask_embedding.data.add_(0.1)  # a different mask vector changes the drafts: the row is really used
+    assert not torch.allclose(h(row_model), h(learned))
+
+
 REFUSED = {  # drafters vLLM would not run as trained -> the DrafterConfig values the message must ask for
     "dspark-old": (dict(method="dspark", gamma=4, markov_rank=8), {"qk_norm": True, "mask_token_id": V - 1}),
     "dflash-learned-mask": (dict(method="dflash", gamma=4, anchor_as_first=False, qk_norm=True), {"mask_token_id": V - 1}),

@@ -149,6 +149,7 @@ def lm_logits(target: Target, h: torch.Tensor, rows: torch.Tensor | None = None)
 
 
 def with_mask_token(model: "DFlashModel", cfg: DrafterConfig, target: Target) -> "DFlashModel":
+    """Install the target's mask row when cfg.mask_token_id >= 0 (else the model keeps its learned vector)."""
     if cfg.mask_token_id >= 0:
         model.use_mask_token(target, cfg.mask_token_id)
     return model
@@ -217,7 +218,8 @@ class DFlashStrategy(Strategy):
 
     def build(self, cfg: DrafterConfig, target: Target) -> DFlashModel:
         resolve_feature_layers(cfg, target)
-        return warm_start(with_mask_token(DFlashModel(cfg, LayerShape.from_hf(target.model.config, cfg.qk_norm)), cfg, target), cfg, target)
+        model = DFlashModel(cfg, LayerShape.from_hf(target.model.config, cfg.qk_norm))
+        return warm_start(with_mask_token(model, cfg, target), cfg, target)
 
     def loss(self, model, batch: Batch, target: Target, cfg: DrafterConfig, generator) -> LossOutput:
         tf = teacher_forced_blocks(model, batch, target, cfg, generator)
