@@ -229,6 +229,25 @@ def test_verifier_names_a_hub_id_or_a_local_directory(target, tmp_path):
         export_speculators(src, tmp_path / "c", target, verifier=str(tmp_path / "missing"))
 
 
+def test_export_command_prints_the_serve_line_or_refuses(target, tmp_path):
+    from typer.testing import CliRunner
+
+    from selfdraft.cli import app
+
+    local = tmp_path / "verifier"
+    target.model.save_pretrained(local)
+    ok = make_checkpoint(target, "dspark", tmp_path / "ok")
+    res = CliRunner().invoke(app, ["export", ok, str(tmp_path / "out"), "--target", str(local), "--verifier", str(local),
+                                   "--dtype", "float32"])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    out = (tmp_path / "out").resolve()
+    assert (f"vllm serve {local.resolve()} --speculative-config '{{\"model\": \"{out}\", \"method\": \"dspark\", "
+            f"\"num_speculative_tokens\": 4}}'") in res.output  # fmt: skip
+    bad = make_checkpoint(target, "old", tmp_path / "old", REFUSED["dspark-old"][0])
+    res = CliRunner().invoke(app, ["export", bad, str(tmp_path / "out2"), "--target", str(local), "--dtype", "float32"])
+    assert res.exit_code == 2 and "Retrain it in vLLM's layout" in res.output and not (tmp_path / "out2").exists()
+
+
 def test_import_refuses_another_target(target, tmp_path):
     src = make_checkpoint(target, "dspark", tmp_path / "ours")
     out = export_speculators(src, tmp_path / "spec", target).path

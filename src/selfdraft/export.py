@@ -344,8 +344,8 @@ def compatibility(cfg: DrafterConfig, target: "Target") -> dict[str, tuple[objec
             "vLLM embeds the mask slots as the verifier's embed_tokens[mask_token_id], not a learned vector "
             "(any id works; one the target rarely generates is best)",
         )
-    if cfg.method == "dspark" and cfg.confidence_head and cfg.markov_rank == 0:
-        fixes["markov_rank"] = (64, "vLLM's DSpark always builds the Markov head")
+    if cfg.method == "dspark" and cfg.markov_rank == 0:
+        fixes["markov_rank"] = (64, "vLLM's DSpark always builds the Markov head (without one, train a DFlash)")
     if cfg.method == "mtp":
         if cfg.mtp_modules != 1:
             fixes["mtp_modules"] = (1, "speculators' MTPDraftModel has one MTP layer, reused for every depth")
