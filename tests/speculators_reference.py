@@ -143,7 +143,8 @@ def main() -> None:
         method = config.speculators_model_type
         gamma = config.speculators_config.proposal_methods[0].speculative_tokens
         if method in ("dflash", "dspark"):
-            temps = (getattr(config, "selfdraft", None) or {}).get("confidence_temperatures") or [1.0] * gamma
+            mine = json.load(open(f"{case['dir']}/config.json")).get("selfdraft") or {}  # T_k: no speculators field
+            temps = mine.get("confidence_temperatures") or [1.0] * gamma
             tokens, logits, conf = dflash(model, config, x, forced, temps)
         else:
             tokens, logits, conf = (eagle3 if method == "eagle3" else mtp)(model, config, x, forced, gamma)

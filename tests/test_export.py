@@ -379,11 +379,22 @@ def test_speculators_loads_every_export_cleanly_and_drafts_like_us(target, tmp_p
             save_file({**inputs, **({} if params.greedy else {"forced": p.tokens})}, str(file))
             cases.append({"dir": str(out), "inputs": str(file)})
             expected.append((name, params, p))
+    # Control: the defects of the old export (a learned mask vector shipped, no q/k norms) must show in the report.
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((outs["dspark"] / "config.json").read_text())
+    w = load_file(outs["dspark"] / "model.safetensors")
+    w["mask_embedding"] = torch.zeros(target.hidden_size)
+    del w["layers.0.self_attn.q_norm.weight"]
+    save_file(w, str(broken / "model.safetensors"))
+    cases.append({"dir": str(broken), "inputs": cases[0]["inputs"]})
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     res = subprocess.run([speculators_python(), str(REFERENCE), str(tmp_path / "cases.json"), str(tmp_path / "ref.safetensors")],
                          capture_output=True, text=True, timeout=900)  # fmt: skip
     assert res.returncode == 0, res.stderr[-4000:]
     reports = json.loads(res.stdout.strip().splitlines()[-1])
+    control = reports.pop()
+    assert control["missing_keys"] == ["layers.0.self_attn.q_norm.weight"] and control["unexpected_keys"] == ["mask_embedding"]
     ref = load_file(tmp_path / "ref.safetensors")
     for i, ((name, params, p), report) in enumerate(zip(expected, reports)):
         assert report == {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "nan": []}, (name, report)

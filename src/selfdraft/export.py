@@ -453,7 +453,7 @@ def export_speculators(
     ids = draft_vocab_ids(src_dir, target) if method in ("dflash", "dspark") else None
     if ids is not None:
         # The format requires the reduced LM head: neither speculators nor vLLM slices the verifier's.
-        dtype = next(iter(tensors.values())).dtype
+        dtype = tensors["fc.weight"].dtype
         lm = target.model.get_output_embeddings().weight.detach()
         tensors["lm_head.weight"] = lm[ids.to(lm.device)].to("cpu", dtype).contiguous()
         tensors["d2t"], tensors["t2d"] = vocab_maps(ids, target.vocab_size)
@@ -464,7 +464,8 @@ def export_speculators(
         extra["selfdraft"]["confidence_temperatures"] = [float(t) for t in state["conf_temperature"]]
     name = resolve_verifier(verifier, target)
     config = speculators_config(cfg, target, extra, name)
-    config["torch_dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.") if tensors else "float32"
+    floats = [t.dtype for t in tensors.values() if t.is_floating_point()]  # (not d2t's int64: loaders build in this dtype)
+    config["torch_dtype"] = str(floats[0] if floats else torch.float32).removeprefix("torch.")
     with atomic_dir(out_dir) as tmp:
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
