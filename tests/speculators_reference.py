@@ -4,7 +4,7 @@ Run by tests/test_export.py with an interpreter that has `speculators` (it pins 
 so it usually lives in a separate virtual environment):
     python speculators_reference.py CASES.json OUT.safetensors
 CASES.json: [{"dir": exported checkpoint, "inputs": safetensors with ids [n+1], features [n, F], last_hidden
-[n, H], optional forced [γ]}, ...]. For case i, OUT holds i.tokens [γ] (target ids), i.logits [γ, V]
+[n, H], optional forced [γ]} or {"dir", "report_only": true}, ...]. For case i, OUT holds i.tokens [γ] (target ids), i.logits [γ, V]
 (-inf outside the draft vocabulary), i.conf [γ] (empty without a confidence head); stdout ends with one
 JSON line: per case the load report {missing, unexpected, mismatched, nan} of speculators' loader.
 """
@@ -137,6 +137,8 @@ def main() -> None:
     for i, case in enumerate(cases):
         model, config, report = load(case["dir"])
         reports.append(report)
+        if case.get("report_only"):
+            continue
         x = load_file(case["inputs"])
         x = {k: (v.float() if v.is_floating_point() else v) for k, v in x.items()}
         forced = x.get("forced")

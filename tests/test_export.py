@@ -387,7 +387,7 @@ def test_speculators_loads_every_export_cleanly_and_drafts_like_us(target, tmp_p
     w["mask_embedding"] = torch.zeros(target.hidden_size)
     del w["layers.0.self_attn.q_norm.weight"]
     save_file(w, str(broken / "model.safetensors"))
-    cases.append({"dir": str(broken), "inputs": cases[0]["inputs"]})
+    cases.append({"dir": str(broken), "report_only": True})
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     res = subprocess.run([speculators_python(), str(REFERENCE), str(tmp_path / "cases.json"), str(tmp_path / "ref.safetensors")],
                          capture_output=True, text=True, timeout=900)  # fmt: skip
