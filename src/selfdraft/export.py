@@ -179,7 +179,7 @@ def _dspark_from(spec: dict, target: "Target") -> dict:
 
 
 register_method(MethodMap(
-    "dflash", "DFlashSpeculator", DFLASH_RULES, lambda cfg: "qwen3", _dflash_fields, _dflash_from,
+    "dflash", "DFlashSpeculator", DFLASH_RULES, lambda cfg: "qwen3", _dflash_fields, _dflash_from, config_only=("draft_ids",),
 ))  # fmt: skip
 register_method(MethodMap(
     "dspark", "DSparkSpeculator",
@@ -191,7 +191,7 @@ register_method(MethodMap(
         (r"^markov\.W_z\.(weight|bias)$", r"markov_head.joint_proj.\1"),
         (r"^confidence\.(weight|bias)$", r"confidence_head.proj.\1"),
     ),
-    lambda cfg: "qwen3", _dspark_fields, _dspark_from, config_only=("conf_temperature",),
+    lambda cfg: "qwen3", _dspark_fields, _dspark_from, config_only=("conf_temperature", "draft_ids"),
 ))  # fmt: skip
 
 
@@ -450,15 +450,19 @@ def export_speculators(
                                  "provenance": meta.get("provenance", {})}}  # fmt: skip
     if method == "eagle3" and cfg.draft_vocab_size >= target.vocab_size:
         del tensors["d2t"], tensors["t2d"]  # full vocabulary: speculators' module has no d2t / t2d buffers
-    ids = draft_vocab_ids(src_dir, target) if method in ("dflash", "dspark") else None
+    ids = None
+    if method in ("dflash", "dspark"):  # a vocabulary trained over (module buffer `draft_ids`) or drafted over (file)
+        trained = state.get("draft_ids")
+        ids = trained.cpu().long() if trained is not None and trained.numel() else draft_vocab_ids(src_dir, target)
     if ids is not None:
         # The format requires the reduced LM head: neither speculators nor vLLM slices the verifier's.
         dtype = tensors["fc.weight"].dtype
         lm = target.model.get_output_embeddings().weight.detach()
         tensors["lm_head.weight"] = lm[ids.to(lm.device)].to("cpu", dtype).contiguous()
         tensors["d2t"], tensors["t2d"] = vocab_maps(ids, target.vocab_size)
-        if "markov_head.markov_w2.weight" in tensors:  # the bias is over the draft vocabulary too
-            tensors["markov_head.markov_w2.weight"] = tensors["markov_head.markov_w2.weight"][ids].contiguous()
+        w2 = tensors.get("markov_head.markov_w2.weight")
+        if w2 is not None and w2.shape[0] == target.vocab_size:  # the bias is over the draft vocabulary too
+            tensors["markov_head.markov_w2.weight"] = w2[ids].contiguous()
         extra["draft_vocab_size"] = int(ids.numel())
     if method == "dspark":
         extra["selfdraft"]["confidence_temperatures"] = [float(t) for t in state["conf_temperature"]]
@@ -662,10 +666,15 @@ def load_speculators_module(dir: str | Path, target: "Target") -> ImportedDrafte
             pass  # full draft vocabulary: the identity mapping the module starts with
         else:
             missing.append(theirs)
-    if vocab is not None and "markov.W2.weight" in state:
+    if vocab is not None and "markov.W2.weight" in state and own["markov.W2.weight"].shape[0] == target.vocab_size:
         # W2 over the draft vocabulary [V', r] -> ours [V, r]; rows outside it are never read when drafting
         w2 = state["markov.W2.weight"]
         state["markov.W2.weight"] = w2.new_zeros(target.vocab_size, w2.shape[1]).index_copy_(0, vocab, w2)
+    if "draft_ids" in own and own["draft_ids"].numel():
+        if vocab is None or vocab.numel() != own["draft_ids"].numel():
+            raise CheckpointError(f"{dir}: its config trains over {own['draft_ids'].numel()} draft tokens, its d2t lists "
+                                  f"{0 if vocab is None else vocab.numel()}")  # fmt: skip
+        state["draft_ids"] = vocab
     if "conf_temperature" in own:
         temps = mine.get("confidence_temperatures") or [1.0] * cfg.gamma
         state["conf_temperature"] = torch.tensor(temps, dtype=torch.float32)
