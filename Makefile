@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 TSTAMP  := $(VENV)/.installed-test
 
-.PHONY: demo test test-all install clean
+.PHONY: demo test test-all test-speculators install clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -30,5 +30,16 @@ demo: $(STAMP)
 test: $(TSTAMP)
 	$(BIN)/python -m pytest -q --durations=15
 
+# The export checked by speculators' own loader and modules. speculators 0.9.0 pins transformers<=5.19
+# (selfdraft: 5.24), so it gets its own venv; its torchvision pulls torch 2.14.1 there (a few GB).
+SPEC := .venv-speculators
+$(SPEC)/.installed:
+	$(PY) -m venv $(SPEC)
+	$(SPEC)/bin/pip install -q speculators==0.9.0
+	touch $@
+
+test-speculators: $(TSTAMP) $(SPEC)/.installed
+	SELFDRAFT_SPECULATORS_PYTHON=$(SPEC)/bin/python $(BIN)/python -m pytest -q tests/test_export.py
+
 clean:
-	rm -rf $(VENV) build src/*.egg-info
+	rm -rf $(VENV) $(SPEC) build src/*.egg-info

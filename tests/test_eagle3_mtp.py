@@ -146,13 +146,18 @@ def test_eagle3_tiny_overfit(target):
 
 # --------------------------------------------------------------------------- MTP
 MTP_KINDS = [dict(mtp_modules=1, mtp_recursive=True), dict(mtp_modules=2, mtp_recursive=False),
-             dict(mtp_modules=2, mtp_recursive=True)]  # fmt: skip
+             dict(mtp_modules=2, mtp_recursive=True),
+             dict(mtp_modules=1, mtp_recursive=True, mtp_normed_handoff=True, qk_norm=True)]  # speculators' layout # fmt: skip
 
 
 @pytest.mark.parametrize("kw", MTP_KINDS)
 def test_mtp_states_equal_inference_drafts(target, kw):
     """Depth d's draft q_d at inference == the teacher-forced DeepSeek-V3 forward on [tokens, drafts]."""
     model, cfg = make("mtp", target, gamma=4, **kw)
+    with torch.no_grad():  # non-uniform norm weights, so a normed hand-off differs from a raw one
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.mul_(1 + torch.rand(p.shape, generator=torch.Generator().manual_seed(2)))
     drafter = STRATEGIES["mtp"].drafter(model, cfg, target)
     params = SamplingParams(temperature=1.0)
     prompt, anchor = PROMPT, 11

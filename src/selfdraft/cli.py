@@ -369,16 +369,31 @@ def _int_list(text: str, option: str) -> tuple[int, ...]:
         raise ConfigError(f"{option} takes comma-separated integers, e.g. 1,8,14,20,27; got {text!r}") from None
 
 
-def _train_configs(config_file: Optional[Path], drafter_opts: dict, train_opts: dict):
-    """--config JSON {"drafter": {...}, "train": {...}} overlaid with the options actually given.
+def _config_arg(text: str | None) -> dict:
+    """--config: a JSON file path, or the JSON object itself (`--config '{"drafter": {"qk_norm": true}}'`)."""
+    if not text:
+        return {}
+    inline = text.lstrip().startswith("{")
+    try:
+        data = json.loads(text if inline else Path(text).read_text())
+    except OSError as e:
+        raise ConfigError(f"--config {text}: cannot read it ({e.strerror}); give a JSON file or an inline JSON object") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--config {'(inline)' if inline else text}: invalid JSON ({e})") from None
+    if not isinstance(data, dict) or set(data) - {"drafter", "train"}:
+        keys = sorted(data) if isinstance(data, dict) else type(data).__name__
+        raise ConfigError(f"--config: expected an object with keys 'drafter' and/or 'train', got {keys}")
+    return data
+
+
+def _train_configs(config: str | None, drafter_opts: dict, train_opts: dict):
+    """--config {"drafter": {...}, "train": {...}} (a file or inline JSON) overlaid with the options actually given.
 
     Unknown keys raise (config.from_dict), in the file as on the command line.
     """
     from selfdraft.config import DrafterConfig, TrainConfig, from_dict
 
-    file = json.loads(config_file.read_text()) if config_file else {}
-    if not isinstance(file, dict) or set(file) - {"drafter", "train"}:
-        raise ConfigError(f"{config_file}: expected an object with keys 'drafter' and/or 'train', got {sorted(file)}")
+    file = _config_arg(config)
     given = lambda opts: {k: v for k, v in opts.items() if v is not None}  # noqa: E731
     dcfg = from_dict(DrafterConfig, {**file.get("drafter", {}), **given(drafter_opts)})
     tcfg = from_dict(TrainConfig, {**file.get("train", {}), **given(train_opts)})
@@ -393,7 +408,9 @@ def train_cmd(
     method: Optional[str] = typer.Option(None, "--method", "-m", help="dflash | dspark | eagle3 | mtp (default: dspark)"),
     target: Optional[str] = TargetOpt,
     data: Optional[str] = typer.Option(None, "--data", help="regenerated dataset directory"),
-    config: Optional[Path] = typer.Option(None, "--config", help='JSON {"drafter": {...}, "train": {...}}; options override it'),
+    config: Optional[str] = typer.Option(
+        None, "--config", help='JSON file or inline JSON {"drafter": {...}, "train": {...}}; options override it'
+    ),
     gamma: Optional[int] = typer.Option(None, "--gamma", help="block size γ (draft tokens per round)"),
     layers: Optional[int] = typer.Option(None, "--layers", help="draft decoder layers"),
     feature_layers: Optional[str] = typer.Option(None, "--feature-layers", help="target layers, e.g. 1,8,14,20,27"),
@@ -655,8 +672,8 @@ def export_cmd(
     out: Path = typer.Argument(..., help="output directory (written atomically)"),
     fmt: str = typer.Option("speculators", "--format", help="speculators (what vLLM's speculative decoding loads)"),
     target: Optional[str] = TargetOpt,
-    mask_token_id: Optional[int] = typer.Option(
-        None, "--mask-token-id", help="DFlash/DSpark: vocab row standing for the mask slots in vLLM (default: last id)"
+    verifier: Optional[str] = typer.Option(
+        None, "--verifier", help="the verifier as you will serve it: hub id or local model dir (default: the target's hub id)"
     ),
     dtype: str = DtypeOpt,
 ) -> None:
@@ -668,16 +685,14 @@ def export_cmd(
         if fmt != "speculators":
             raise ConfigError(f"--format {fmt!r}: the only export format is 'speculators'")
         tgt = Target.load(target, dtype=dtype)
-        path = export_speculators(src, out, tgt, mask_token_id=mask_token_id)
-        spec = json.loads((path / "config.json").read_text())
+        rep = export_speculators(src, out, tgt, verifier=verifier)
     except (ConfigError, TargetError, OSError) as e:
         _fail(str(e))
-    files = ", ".join(f"{p.name} ({p.stat().st_size / 1e6:.1f} MB)" for p in sorted(path.iterdir()))
-    tokens = spec["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
-    verifier = spec["speculators_config"]["verifier"]["name_or_path"]
-    print(f"-> {path}: {files}\nserve it: vllm serve {verifier} --speculative-config "
-          f"'{{\"model\": \"{path}\", \"method\": \"{spec['speculators_model_type']}\", "
-          f"\"num_speculative_tokens\": {tokens}}}'\nor here: selfdraft generate --drafter {path} -p '...'", file=sys.stderr)
+    files = ", ".join(f"{name} ({size / 1e6:.1f} MB)" for name, size in rep.files.items())
+    print(f"-> {rep.path}: {files}\nserve it: vllm serve {rep.verifier} --speculative-config "
+          f"'{{\"model\": \"{rep.path}\", \"method\": \"{rep.method}\", "
+          f"\"num_speculative_tokens\": {rep.speculative_tokens}}}'\nor here: selfdraft generate --drafter {rep.path} -p '...'",
+          file=sys.stderr)  # fmt: skip
 
 
 # ---------------------------------------------------------------- serve (OpenAI-compatible HTTP server)

@@ -109,6 +109,7 @@ class DrafterConfig:
     # MTP (docs/methods/mtp.md)
     mtp_modules: int = 1  # D stacked DeepSeek-V3 modules
     mtp_recursive: bool = True  # also draft depths D+1..γ by reusing the last module (False: D drafts)
+    mtp_normed_handoff: bool = False  # depth d+1 reads RMSNorm_d(h^d) (speculators' MTP) instead of h^d (DeepSeek-V3)
     mtp_decay: float = 0.6  # depth d weighs mtp_decay^(d-1) (normalised)
 
     def __post_init__(self) -> None:

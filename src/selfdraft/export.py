@@ -10,28 +10,36 @@ A speculators checkpoint is a directory with
 `export_speculators` writes one from a selfdraft checkpoint; `load_speculators` maps one (ours, or a
 drafter released for a target elsewhere) onto our modules and returns an inference `Drafter`.
 
+The export is faithful or refused: every tensor maps one-to-one onto a parameter of speculators'
+module for the method (checked against speculators 0.9.0: 0 missing, 0 unexpected), and a drafter
+whose function the format cannot express is refused with the `--config` values to retrain it with
+(`compatibility`), never exported with a warning.
+
 Each method has one small table (`METHODS`): regex rules that rename our state-dict keys to the
 speculators names (the reverse mapping is the same table inverted over the built module's keys, so
 the two directions cannot drift apart), the layer's HF model_type and the per-method config fields.
 
-Conventions (checked against speculators 0.9.0 and vLLM's loaders):
+Conventions (speculators 0.9.0 and vLLM's loaders):
 - Layer ids: speculators / vLLM count the embedding output as 0 (`aux id i` = HF hidden_states[i] =
   the input of decoder layer i); ours are 0-based decoder-layer outputs. So aux id = ours + 1.
-- EAGLE-3: Llama layer (`layers.0.*`; vLLM also reads `midlayer.*`), `fc`, `norm`, `lm_head` over the
-  draft vocabulary, `d2t` (int64 offsets, target = draft + d2t[draft]) and `t2d` (bool mask);
+- Nothing the verifier provides is shipped (its embedding, its LM head, its final norm: speculators
+  and vLLM take them from the verifier), except where the format requires it: a reduced draft
+  vocabulary's `lm_head` rows (neither runtime derives them from the verifier's head).
+- EAGLE-3: Llama (or Qwen3 with qk_norm) layer `layers.0.*`, `fc`, `norm`, its own `lm_head` over the
+  draft vocabulary, `d2t` (int64 offsets, target = draft + d2t[draft]) and `t2d` (bool mask), both only
+  with a reduced draft vocabulary (the modules have no such buffers otherwise);
   `norm_before_residual: false` (our residual is the un-normed fused feature).
-- DFlash / DSpark: Qwen3 layers `layers.N.*`, `fc`, `hidden_norm` (our context_norm), `norm`; full
-  target vocabulary (no lm_head, d2t, t2d: the target's own head is used). vLLM embeds the mask slots
-  as `embed_tokens[mask_token_id]`, but our mask embedding is a learned vector, not a vocabulary row:
-  the export ships `embed_tokens.weight` = the target's embedding with row `mask_token_id` replaced by
-  it (vLLM then uses the draft's own embedding table), plus `mask_embedding` itself. DSpark heads:
-  `markov_head.markov_w1 / markov_w2 / gate_proj / joint_proj`, `confidence_head.proj`.
-- MTP: speculators' MTPDraftModel layout `mtp_layers.D.{token_layernorm, hidden_layernorm, input_proj,
-  final_layernorm}` + a Qwen3 decoder layer.
-- vLLM's DFlash, DSpark and MTP layers are Qwen3 layers (per-head q/k RMSNorm). A drafter trained
-  without `qk_norm` still exports (our importer reads it exactly: `selfdraft.qk_norm` is recorded), but
-  vLLM would run it with unit q/k norms, i.e. a different function: still lossless, fewer accepted
-  drafts. Train with `{"drafter": {"qk_norm": true}}` for a checkpoint vLLM runs exactly.
+- DFlash / DSpark: Qwen3 layers `layers.N.*` (q/k norms required), `fc`, `hidden_norm` (our
+  context_norm), `norm`. Mask slots are `embed_tokens[mask_token_id]` of the verifier: a drafter
+  trained with `mask_token_id` >= 0 is exactly that; one with a learned mask embedding is refused.
+  An inference draft vocabulary (the checkpoint's draft_vocab.safetensors) becomes draft_vocab_size,
+  d2t, t2d, `lm_head` = the target's LM-head rows and the Markov W2 rows of those tokens: the same
+  function as our restricted drafter. DSpark heads: `markov_head.markov_w1 / markov_w2 / gate_proj /
+  joint_proj`, `confidence_head.proj`; the calibrated confidence temperatures T_k have no speculators
+  field (its confidence is sigmoid(z_k)): they travel in the `selfdraft` block of config.json.
+- MTP: speculators' MTPDraftModel `mtp_layers.0.{token_layernorm, hidden_layernorm, input_proj,
+  final_layernorm}` + a Qwen3 decoder layer; one module, reused for every depth, each depth reading
+  the previous depth's final-normed output (`mtp_normed_handoff`).
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ from safetensors.torch import save_file
 
 from selfdraft.checkpoint import (
     CONFIG_FILE,
+    DRAFT_VOCAB_FILE,
     WEIGHTS_FILE,
     CheckpointError,
     atomic_dir,
@@ -121,26 +130,22 @@ DFLASH_RULES = (
     *_LAYER_RULES,
     (r"^context_norm\.weight$", "hidden_norm.weight"),
     (r"^(fc|norm)\.weight$", r"\1.weight"),
-    (r"^mask_embedding$", "mask_embedding"),
+    (r"^mask_embedding$", "mask_embedding"),  # a learned mask vector: import only (vLLM's DFlash reads it; export refuses)
 )
 
 
 def _dflash_fields(cfg: DrafterConfig, target: "Target") -> dict:
     return {
-        "draft_vocab_size": target.vocab_size,
+        "draft_vocab_size": target.vocab_size,  # a draft vocabulary overrides it (export_speculators)
         "target_hidden_size": target.hidden_size,
         "block_size": cfg.gamma + (0 if cfg.anchor_as_first else 1),
         "aux_hidden_state_layer_ids": _aux_ids(cfg),
         "sample_from_anchor": cfg.anchor_as_first,
+        "mask_token_id": cfg.mask_token_id,
     }
 
 
 def _dflash_from(spec: dict, target: "Target") -> dict:
-    if spec.get("draft_vocab_size") not in (None, target.vocab_size):
-        raise CheckpointError(
-            f"{spec[SPECULATORS_KEY]} drafter with a reduced draft vocabulary ({spec['draft_vocab_size']} of "
-            f"{target.vocab_size}): selfdraft's DFlash/DSpark use the target's full LM head; not supported"
-        )
     anchor_first = bool(spec.get("sample_from_anchor", spec[SPECULATORS_KEY] == "dspark"))
     block = int(spec.get("block_size") or _proposal_tokens(spec) + (0 if anchor_first else 1))
     return dict(
@@ -174,7 +179,7 @@ def _dspark_from(spec: dict, target: "Target") -> dict:
 
 
 register_method(MethodMap(
-    "dflash", "DFlashSpeculator", DFLASH_RULES, lambda cfg: "qwen3", _dflash_fields, _dflash_from,
+    "dflash", "DFlashSpeculator", DFLASH_RULES, lambda cfg: "qwen3", _dflash_fields, _dflash_from, config_only=("draft_ids",),
 ))  # fmt: skip
 register_method(MethodMap(
     "dspark", "DSparkSpeculator",
@@ -186,7 +191,7 @@ register_method(MethodMap(
         (r"^markov\.W_z\.(weight|bias)$", r"markov_head.joint_proj.\1"),
         (r"^confidence\.(weight|bias)$", r"confidence_head.proj.\1"),
     ),
-    lambda cfg: "qwen3", _dspark_fields, _dspark_from, config_only=("conf_temperature",),
+    lambda cfg: "qwen3", _dspark_fields, _dspark_from, config_only=("conf_temperature", "draft_ids"),
 ))  # fmt: skip
 
 
@@ -233,8 +238,9 @@ def _mtp_fields(cfg: DrafterConfig, target: "Target") -> dict:
 
 
 def _mtp_from(spec: dict, target: "Target") -> dict:
+    # speculators' MTPDraftModel: one module for every depth, each depth reading the final-normed output
     return dict(gamma=_proposal_tokens(spec), feature_layers=(), mtp_modules=int(spec.get("num_nextn_predict_layers", 1)),
-                mtp_recursive=True)  # fmt: skip
+                mtp_recursive=True, mtp_normed_handoff=True)  # fmt: skip
 
 
 register_method(MethodMap(
@@ -289,12 +295,12 @@ def layer_config(cfg: DrafterConfig, target: "Target", model_type: str) -> dict:
     }
 
 
-def verifier_of(target: "Target") -> dict:
-    name = HF_IDS.get(target.name, target.name)
+def verifier_of(target: "Target", name: str | None = None) -> dict:
+    name = name or HF_IDS.get(target.name, target.name)
     return {"name_or_path": name, "architectures": list(getattr(target.model.config, "architectures", None) or [])}
 
 
-def speculators_config(cfg: DrafterConfig, target: "Target", extra: dict) -> dict:
+def speculators_config(cfg: DrafterConfig, target: "Target", extra: dict, verifier: str | None = None) -> dict:
     """The whole config.json of an exported drafter (speculators fields + a `selfdraft` block)."""
     m = METHODS[cfg.method]
     return {
@@ -307,7 +313,7 @@ def speculators_config(cfg: DrafterConfig, target: "Target", extra: dict) -> dic
                 {"proposal_type": "greedy", "speculative_tokens": cfg.gamma, "verifier_accept_k": 1, "accept_tolerance": 0.0}
             ],
             "default_proposal_method": "greedy",
-            "verifier": verifier_of(target),
+            "verifier": verifier_of(target, verifier),
         },
         "transformer_layer_config": layer_config(cfg, target, m.layer_model_type(cfg)),
         **m.fields(cfg, target),
@@ -326,14 +332,106 @@ def _stored_dtype(dir: Path) -> torch.dtype:
     return torch.float32
 
 
-def export_speculators(src_dir: str | Path, out_dir: str | Path, target: "Target", mask_token_id: int | None = None) -> Path:
+def compatibility(cfg: DrafterConfig, target: "Target") -> dict[str, tuple[object, str]]:
+    """What keeps this drafter from being exactly the module vLLM / speculators build:
+    {DrafterConfig field: (value to retrain with, why)}; empty = exportable."""
+    fixes: dict[str, tuple[object, str]] = {}
+    if cfg.method in ("dflash", "dspark", "mtp") and not cfg.qk_norm:
+        fixes["qk_norm"] = (True, f"vLLM's {cfg.method} layers are Qwen3 layers with per-head q/k RMSNorm")
+    if cfg.method in ("dflash", "dspark") and cfg.mask_token_id < 0:
+        fixes["mask_token_id"] = (
+            target.vocab_size - 1,
+            "vLLM embeds the mask slots as the verifier's embed_tokens[mask_token_id], not a learned vector "
+            "(any id works; one the target rarely generates is best)",
+        )
+    if cfg.method == "dspark" and cfg.markov_rank == 0:
+        fixes["markov_rank"] = (64, "vLLM's DSpark always builds the Markov head (without one, train a DFlash)")
+    if cfg.method == "mtp":
+        if cfg.mtp_modules != 1:
+            fixes["mtp_modules"] = (1, "speculators' MTPDraftModel has one MTP layer, reused for every depth")
+        if not cfg.mtp_recursive:
+            fixes["mtp_recursive"] = (True, "speculators' MTPDraftModel reuses its layer for every depth")
+        if not cfg.mtp_normed_handoff and cfg.gamma > 1:
+            fixes["mtp_normed_handoff"] = (True, "speculators' MTP feeds each depth the previous depth's final-normed output")
+    return fixes
+
+
+def refusal(src: Path, cfg: DrafterConfig, fixes: dict[str, tuple[object, str]]) -> str:
+    config = json.dumps({"drafter": {k: v for k, (v, _) in fixes.items()}})
+    why = "; ".join(f"{k}: {reason}" for k, (_, reason) in fixes.items())
+    return (
+        f"{src}: this {cfg.method} drafter cannot be exported as the drafter vLLM would run ({why}). Retrain it "
+        f"in vLLM's layout: selfdraft train --method {cfg.method} --config '{config}' ..."
+    )
+
+
+def draft_vocab_ids(src_dir: Path, target: "Target") -> torch.Tensor | None:
+    """[V'] ascending target ids of the checkpoint's inference draft vocabulary (DFlash/DSpark), or None."""
+    path = src_dir / DRAFT_VOCAB_FILE
+    if not path.exists():
+        return None
+    from selfdraft.training.data import DraftVocab
+
+    try:
+        ids = DraftVocab.load(path).target_ids.long().unique()  # sorted, as DFlashDrafter.restrict_vocab uses them
+    except (SafetensorError, OSError, KeyError) as e:
+        raise CheckpointError(f"{path}: unusable draft vocabulary ({e})") from e
+    if ids.numel() == 0 or int(ids[0]) < 0 or int(ids[-1]) >= target.vocab_size:
+        raise CheckpointError(f"{path}: draft vocabulary ids must lie in [0, {target.vocab_size})")
+    return None if ids.numel() == target.vocab_size else ids
+
+
+def vocab_maps(ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[V'] ascending target ids -> (d2t [V'] int64 offsets, t2d [V] bool), the speculators convention."""
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    return ids - torch.arange(ids.numel()), t2d
+
+
+def resolve_verifier(verifier: str | None, target: "Target") -> str:
+    """The verifier as the user will serve it: a hub id, or a local model directory (made absolute).
+
+    A local directory must hold the target (its config.json's hidden and vocabulary sizes are checked)."""
+    name = verifier or HF_IDS.get(target.name, target.name)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        try:
+            hf = json.loads((path / CONFIG_FILE).read_text())
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--verifier {name}: a local verifier directory needs a readable config.json ({e})") from e
+        hf = hf.get("text_config", hf)
+        theirs = (hf.get("hidden_size"), hf.get("vocab_size"))
+        if theirs != (target.hidden_size, target.vocab_size):
+            raise ConfigError(
+                f"--verifier {name} has hidden/vocab sizes {theirs}, but the drafter's target has "
+                f"{(target.hidden_size, target.vocab_size)}: name the model the drafter was trained on"
+            )
+        return str(path.resolve())
+    if verifier is not None and (name.startswith((".", "/", "~")) or name.count("/") > 1):
+        raise ConfigError(f"--verifier {name}: no such directory (give a hub id like org/model, or a local model directory)")
+    return name
+
+
+@dataclass
+class ExportReport:
+    """What an export wrote (the CLI prints it)."""
+
+    path: Path
+    files: dict[str, int]  # file name -> bytes
+    tensors: dict[str, tuple[int, ...]]  # speculators name -> shape
+    verifier: str
+    method: str
+    speculative_tokens: int
+
+
+def export_speculators(
+    src_dir: str | Path, out_dir: str | Path, target: "Target", verifier: str | None = None
+) -> ExportReport:
     """Write the speculators-format checkpoint of the selfdraft drafter in `src_dir` to `out_dir` (atomically).
 
-    `target` must be the drafter's target (checked by fingerprint): DFlash/DSpark exports carry its
-    embedding with the mask row replaced (see the module docstring), and every export names it as the
-    verifier. `mask_token_id` (DFlash/DSpark): the vocabulary row that stands for the mask slots in
-    vLLM; default: the last id. Pick an id the target never generates: if an anchor ever is that token,
-    its drafts get worse (never the output: verification stays lossless).
+    `target` must be the drafter's target (checked by fingerprint); `verifier` names it as the user will
+    serve it (hub id or local directory; default: the embedded target's hub id, else the target's name).
+    Refuses (CheckpointError, with the `--config` to retrain with) a drafter vLLM cannot run as trained.
     """
     src_dir = Path(src_dir)
     meta = read_config(src_dir)
@@ -343,33 +441,47 @@ def export_speculators(src_dir: str | Path, out_dir: str | Path, target: "Target
         raise CheckpointError(f"{src_dir} holds a {method!r} drafter; speculators export covers {sorted(METHODS)}")
     module = load_module(src_dir, target, dtype=_stored_dtype(src_dir))
     model, cfg = module.model, module.cfg
+    fixes = compatibility(cfg, target)
+    if fixes:
+        raise CheckpointError(refusal(src_dir, cfg, fixes))
     state = model.state_dict()
     tensors = {name: state[k].detach().contiguous().cpu() for k, name in name_map(method, model).items()}
     extra: dict = {"selfdraft": {"qk_norm": cfg.qk_norm, "drafter": asdict(cfg), "target": meta["target"],
                                  "provenance": meta.get("provenance", {})}}  # fmt: skip
-    if method in ("dflash", "dspark"):
-        mask_id = target.vocab_size - 1 if mask_token_id is None else mask_token_id
-        if not 0 <= mask_id < target.vocab_size:
-            raise ConfigError(f"mask_token_id {mask_id} is outside the target vocabulary (0..{target.vocab_size - 1})")
-        embed = target.model.get_input_embeddings().weight.detach().to("cpu", tensors["mask_embedding"].dtype).clone()
-        embed[mask_id] = tensors["mask_embedding"]
-        tensors["embed_tokens.weight"] = embed
-        extra["mask_token_id"] = mask_id
+    if method == "eagle3" and cfg.draft_vocab_size >= target.vocab_size:
+        del tensors["d2t"], tensors["t2d"]  # full vocabulary: speculators' module has no d2t / t2d buffers
+    ids = None
+    if method in ("dflash", "dspark"):  # a vocabulary trained over (module buffer `draft_ids`) or drafted over (file)
+        trained = state.get("draft_ids")
+        ids = trained.cpu().long() if trained is not None and trained.numel() else draft_vocab_ids(src_dir, target)
+    if ids is not None:
+        # The format requires the reduced LM head: neither speculators nor vLLM slices the verifier's.
+        dtype = tensors["fc.weight"].dtype
+        lm = target.model.get_output_embeddings().weight.detach()
+        tensors["lm_head.weight"] = lm[ids.to(lm.device)].to("cpu", dtype).contiguous()
+        tensors["d2t"], tensors["t2d"] = vocab_maps(ids, target.vocab_size)
+        w2 = tensors.get("markov_head.markov_w2.weight")
+        if w2 is not None and w2.shape[0] == target.vocab_size:  # the bias is over the draft vocabulary too
+            tensors["markov_head.markov_w2.weight"] = w2[ids].contiguous()
+        extra["draft_vocab_size"] = int(ids.numel())
     if method == "dspark":
         extra["selfdraft"]["confidence_temperatures"] = [float(t) for t in state["conf_temperature"]]
-    if method in ("dflash", "dspark", "mtp") and not cfg.qk_norm:
-        print(
-            f"warning: this {method} drafter has no per-head q/k norms; vLLM's {method} layers (Qwen3) do, so vLLM "
-            "would run a different drafter (still lossless, fewer accepted tokens). selfdraft imports it exactly. "
-            'Train with --config \'{"drafter": {"qk_norm": true}}\' for a vLLM-exact export.',
-            file=sys.stderr,
-        )
-    config = speculators_config(cfg, target, extra)
-    config["torch_dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.") if tensors else "float32"
+    name = resolve_verifier(verifier, target)
+    config = speculators_config(cfg, target, extra, name)
+    floats = [t.dtype for t in tensors.values() if t.is_floating_point()]  # (not d2t's int64: loaders build in this dtype)
+    config["torch_dtype"] = str(floats[0] if floats else torch.float32).removeprefix("torch.")
     with atomic_dir(out_dir) as tmp:
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-    return Path(out_dir).resolve()
+    out = Path(out_dir).resolve()
+    return ExportReport(
+        path=out,
+        files={p.name: p.stat().st_size for p in sorted(out.iterdir())},
+        tensors={k: tuple(v.shape) for k, v in tensors.items()},
+        verifier=name,
+        method=method,
+        speculative_tokens=cfg.gamma,
+    )
 
 
 # ------------------------------------------------------------------ import
@@ -462,8 +574,56 @@ def _check_shape(spec: dict, target: "Target", dir: Path) -> LayerShape:
     return s
 
 
-def load_speculators_module(dir: str | Path, target: "Target") -> tuple[torch.nn.Module, DrafterConfig]:
-    """A speculators checkpoint -> (our module with its weights, in the target's dtype, eval mode; its DrafterConfig)."""
+@dataclass
+class ImportedDrafter:
+    """A speculators checkpoint mapped onto our module."""
+
+    model: torch.nn.Module  # in the target's dtype, eval mode
+    cfg: DrafterConfig
+    vocab: torch.Tensor | None  # [V'] target ids of a DFlash/DSpark draft vocabulary, None = all V
+
+
+def _mask_overrides(spec: dict, tensors: dict[str, torch.Tensor], target: "Target", dir: Path) -> dict:
+    """DFlash/DSpark mask slots: a shipped mask vector (learned, as in some public DFlash checkpoints)
+    or the verifier's embedding row `mask_token_id` (speculators' and vLLM's own convention)."""
+    if "mask_embedding" in tensors:
+        return {"mask_token_id": -1}
+    mask_id = spec.get("mask_token_id")
+    if mask_id is None or not 0 <= int(mask_id) < target.vocab_size:
+        raise CheckpointError(f"{dir}: a {spec[SPECULATORS_KEY]} checkpoint needs a mask_token_id in [0, {target.vocab_size}) "
+                              f"(got {mask_id}) or a mask_embedding tensor")  # fmt: skip
+    return {"mask_token_id": int(mask_id)}
+
+
+def _draft_vocab(spec: dict, tensors: dict[str, torch.Tensor], target: "Target", dir: Path) -> torch.Tensor | None:
+    """DFlash/DSpark reduced vocabulary -> [V'] ascending target ids (and the shipped draft-vocab tensors
+    checked and consumed: our drafter drafts over the target's own LM-head rows of those ids)."""
+    n = int(spec.get("draft_vocab_size") or target.vocab_size)
+    if n >= target.vocab_size:
+        for k in ("d2t", "t2d"):
+            tensors.pop(k, None)  # identity maps some checkpoints carry anyway
+        return None
+    if "d2t" not in tensors:
+        raise CheckpointError(f"{dir}: draft_vocab_size {n} < {target.vocab_size} needs a d2t tensor (draft id -> target id)")
+    d2t = tensors.pop("d2t").long()
+    ids = torch.arange(d2t.numel()) + d2t
+    t2d = tensors.pop("t2d", None)
+    if d2t.numel() != n or not bool((ids[1:] > ids[:-1]).all()) or int(ids[0]) < 0 or int(ids[-1]) >= target.vocab_size:
+        raise CheckpointError(f"{dir}: d2t does not describe {n} ascending target ids in [0, {target.vocab_size})")
+    if t2d is not None and not torch.equal(t2d.bool().nonzero().flatten(), ids):
+        raise CheckpointError(f"{dir}: t2d and d2t describe different draft vocabularies")
+    head = tensors.pop("lm_head.weight", None)
+    rows = target.model.get_output_embeddings().weight.detach()[ids.to(target.model.device)].cpu()
+    if head is None or not torch.equal(head.to(rows.dtype), rows):
+        raise CheckpointError(
+            f"{dir}: its reduced-vocabulary lm_head is not the target's LM-head rows of its draft tokens; selfdraft's "
+            "DFlash/DSpark draft through the target's own head"
+        )
+    return ids
+
+
+def load_speculators_module(dir: str | Path, target: "Target") -> ImportedDrafter:
+    """A speculators checkpoint -> our module with its weights, its DrafterConfig and draft vocabulary."""
     from selfdraft.training.strategy import STRATEGIES
     import selfdraft.drafters  # noqa: F401  (fills STRATEGIES)
 
@@ -484,8 +644,11 @@ def load_speculators_module(dir: str | Path, target: "Target") -> tuple[torch.nn
     qk_norm = mine.get("qk_norm", any(".q_norm." in k for k in tensors))
     n_layers = (spec.get("transformer_layer_config") or {}).get("num_hidden_layers", 1)
     overrides = dict(method=method, qk_norm=bool(qk_norm), **METHODS[method].from_fields(spec, target))
+    vocab = None
     if method in ("dflash", "dspark"):
         overrides["num_layers"] = int(n_layers)
+        overrides.update(_mask_overrides(spec, tensors, target, dir))
+        vocab = _draft_vocab(spec, tensors, target, dir)
     base = mine.get("drafter")
     try:
         cfg = DrafterConfig(**{**(base or {}), **overrides}) if base else DrafterConfig(**overrides)
@@ -493,23 +656,26 @@ def load_speculators_module(dir: str | Path, target: "Target") -> tuple[torch.nn
         raise CheckpointError(f"{dir / CONFIG_FILE}: cannot map onto a selfdraft {method} drafter: {e}") from e
     strategy = STRATEGIES[method]
     model = strategy.build(cfg, target).float()
+    own = model.state_dict()
     names = name_map(method, model)
-    state = {}
-    missing = []
+    state, missing = {}, []
     for ours, theirs in names.items():
         if theirs in tensors:
             state[ours] = tensors.pop(theirs)
         elif ours in ("d2t", "t2d") and cfg.draft_vocab_size == target.vocab_size:
             pass  # full draft vocabulary: the identity mapping the module starts with
-        elif ours == "mask_embedding":  # the mask slots' vocabulary row (ours ship it separately too)
-            mask_id = spec.get("mask_token_id")
-            if mask_id is None:
-                raise CheckpointError(f"{dir}: a {method} checkpoint needs mask_token_id (or a mask_embedding tensor)")
-            table = tensors.get("embed_tokens.weight")
-            state[ours] = table[mask_id] if table is not None else target.embed(torch.tensor(mask_id, device=target.model.device)).cpu()
         else:
             missing.append(theirs)
-    if "conf_temperature" in model.state_dict():
+    if vocab is not None and "markov.W2.weight" in state and own["markov.W2.weight"].shape[0] == target.vocab_size:
+        # W2 over the draft vocabulary [V', r] -> ours [V, r]; rows outside it are never read when drafting
+        w2 = state["markov.W2.weight"]
+        state["markov.W2.weight"] = w2.new_zeros(target.vocab_size, w2.shape[1]).index_copy_(0, vocab, w2)
+    if "draft_ids" in own and own["draft_ids"].numel():
+        if vocab is None or vocab.numel() != own["draft_ids"].numel():
+            raise CheckpointError(f"{dir}: its config trains over {own['draft_ids'].numel()} draft tokens, its d2t lists "
+                                  f"{0 if vocab is None else vocab.numel()}")  # fmt: skip
+        state["draft_ids"] = vocab
+    if "conf_temperature" in own:
         temps = mine.get("confidence_temperatures") or [1.0] * cfg.gamma
         state["conf_temperature"] = torch.tensor(temps, dtype=torch.float32)
     unexpected = sorted(k for k in tensors if k not in SHARED_TENSORS)
@@ -518,16 +684,18 @@ def load_speculators_module(dir: str | Path, target: "Target") -> tuple[torch.nn
             f"{dir}: weights do not match a selfdraft {method} drafter (missing {missing[:8]}, unexpected {unexpected[:8]})"
         )
     try:
-        own = model.state_dict()
         model.load_state_dict({**own, **{k: v.to(own[k].dtype) for k, v in state.items()}}, strict=True)
     except RuntimeError as e:
         raise CheckpointError(f"{dir}: weight shapes do not fit a {method} drafter for this target: {e}") from e
-    return model.to(target.model.dtype).eval(), cfg
+    return ImportedDrafter(model.to(target.model.dtype).eval(), cfg, vocab)
 
 
 def load_speculators(dir: str | Path, target: "Target") -> "Drafter":
     """A speculators-format drafter directory -> an inference `Drafter` for `target` (its verifier)."""
     from selfdraft.training.strategy import STRATEGIES
 
-    model, cfg = load_speculators_module(dir, target)
-    return STRATEGIES[cfg.method].drafter(model, cfg, target)
+    imported = load_speculators_module(dir, target)
+    drafter = STRATEGIES[imported.cfg.method].drafter(imported.model, imported.cfg, target)
+    if imported.vocab is not None:
+        drafter.restrict_vocab(imported.vocab)
+    return drafter

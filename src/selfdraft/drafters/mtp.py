@@ -58,6 +58,7 @@ class MTPModel(nn.Module):
         self.shape = shape
         self.layers = nn.ModuleList(MTPModule(shape) for _ in range(cfg.mtp_modules))
         self.depths = max(cfg.gamma, cfg.mtp_modules) if cfg.mtp_recursive else cfg.mtp_modules
+        self.normed_handoff = cfg.mtp_normed_handoff
         self.rotary = Rotary(shape.head_dim, shape.rope_theta)
 
     @property
@@ -67,6 +68,10 @@ class MTPModel(nn.Module):
     def module(self, d: int) -> MTPModule:
         """The module of depth d (1-based); past D the last one is reused (recursive MTP)."""
         return self.layers[min(d, len(self.layers)) - 1]
+
+    def handoff(self, d: int, h: torch.Tensor) -> torch.Tensor:
+        """What depth d + 1 reads of h^d [..., H]: h^d itself, or its final-normed form (cfg.mtp_normed_handoff)."""
+        return self.module(d).norm(h) if self.normed_handoff and d > 0 else h
 
     def logits(self, target: Target, d: int, h: torch.Tensor) -> torch.Tensor:
         """h^d [..., H] -> [..., V] float32 through module d's final norm and the shared LM head."""
@@ -90,7 +95,8 @@ def mtp_states(model: MTPModel, target: Target, ids: torch.Tensor, h0: torch.Ten
     h, states = h0.to(model.dtype), []
     for d in range(1, depths + 1):
         pos = (slot + d).expand(B, T)
-        h, _ = model.module(d)(emb[:, (slot + d).clamp(max=T - 1)], h, pos, model.empty_kv(B, ids.device), causal, model.rotary)
+        h_in = model.handoff(d - 1, h)
+        h, _ = model.module(d)(emb[:, (slot + d).clamp(max=T - 1)], h_in, pos, model.empty_kv(B, ids.device), causal, model.rotary)
         states.append(h)
     return states
 
@@ -178,7 +184,7 @@ class MTPDrafter(TrainedDrafter):
             done = self.outs[d].shape[0] if d in self.outs else 0
             new = range(done, max(done, n - d + 1))
             if len(new):
-                h_in = torch.stack([self._hidden(d - 1, i, {}) for i in new])
+                h_in = self.model.handoff(d - 1, torch.stack([self._hidden(d - 1, i, {}) for i in new]))
                 ctx = self.kv.get(d, self.model.empty_kv(1, self.h0.device))
                 h, kv = self._run(d, new, tokens, h_in, ctx)
                 self.kv[d], self.outs[d] = ctx.append(kv), torch.cat([self.outs.get(d, h[:0]), h])
@@ -187,7 +193,7 @@ class MTPDrafter(TrainedDrafter):
         for d in range(1, g + 1):
             slots = range(max(0, n - d + 1), n)
             if d > 1:
-                h_in = torch.stack([self._hidden(d - 1, i, prov) for i in slots])
+                h_in = self.model.handoff(d - 1, torch.stack([self._hidden(d - 1, i, prov) for i in slots]))
                 ctx = self.kv.get(d, self.model.empty_kv(1, self.h0.device))
                 prov[d] = (slots.start, self._run(d, slots, y, h_in, ctx)[0])
             q = probs_from_logits(self.model.logits(self.target, d, self._hidden(d, n - 1, prov)), params)
