@@ -55,7 +55,7 @@ class PaddedCache:
 
     def __init__(self, target: Target) -> None:
         self.target = target
-        self.cache = target.new_cache()
+        self.cache = target.new_cache(dynamic=True)
         self.valid = torch.zeros(0, 0, dtype=torch.bool)
 
     @property
@@ -82,7 +82,7 @@ class PaddedCache:
     def keep_rows(self, rows: list[int]) -> None:
         """Drop every row not in `rows` (finished or cancelled requests)."""
         if not rows:
-            self.cache, self.valid = self.target.new_cache(), torch.zeros(0, 0, dtype=torch.bool)
+            self.cache, self.valid = self.target.new_cache(dynamic=True), torch.zeros(0, 0, dtype=torch.bool)
             return
         idx = torch.tensor(rows)
         for layer in self.cache.layers:
@@ -252,7 +252,7 @@ class Engine:
         while self.pending and len(self.active) < self.max_concurrency:
             q = self.pending.pop(0)
             q.t_start = time.perf_counter()
-            row = self.target.new_cache()
+            row = self.target.new_cache(dynamic=True)
             step = self.target.forward(torch.tensor([q.prompt]), row, q.drafter.feature_layers, last_only=True)
             q.out.append(verify(step.logits[0, -1:], Proposal.empty(), q.params, q.generator).next_token)
             q.drafter.begin(list(q.prompt), step)
