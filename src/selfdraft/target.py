@@ -90,15 +90,17 @@ class Target:
     backend 'native' runs the forward through selfdraft.native (weights: 'auto' = the dense
     format of the model's dtype, or 'int8' / 'int4'); 'auto' picks it when the architecture is
     supported and falls back to 'hf' with a one-line message otherwise. `gguf`: the GGUF the
-    model was converted from, whose Q4 blocks an int4 load then uses exactly."""
+    model was converted from, whose Q4 blocks an int4 load then uses exactly (kept in
+    `gguf_cache`, a safetensors file, for the next load)."""
 
     def __init__(self, model: PreTrainedModel, tokenizer=None, name: str = "custom", backend: str = "hf",
-                 weights: str = "auto", gguf: str | Path | None = None) -> None:
+                 weights: str = "auto", gguf: str | Path | None = None, gguf_cache: Path | None = None) -> None:
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.name = name
         self.native = None
         self.notes: list[str] = []
+        self._gguf, self._gguf_cache = gguf, gguf_cache
         dense = "bf16" if model.dtype == torch.bfloat16 else "fp32"
         if backend in ("auto", "native"):
             from selfdraft.native import NativeModel, unsupported_reason
@@ -112,7 +114,7 @@ class Target:
                 print(f"note: native backend does not support {reason}; using the HF backend", file=sys.stderr)
             else:
                 try:
-                    self.native = NativeModel(model, dense if weights == "auto" else weights, gguf)
+                    self.native = NativeModel(model, dense if weights == "auto" else weights, gguf, gguf_cache=gguf_cache)
                 except ValueError as e:
                     raise TargetError(str(e)) from e
                 self.notes += self.native.notes
@@ -131,7 +133,7 @@ class Target:
 
     # ---------------------------------------------------------------- loading
     @classmethod
-    def load(cls, spec: str | None = None, dtype: str | None = "bfloat16", trust_remote_code: bool = False,
+    def load(cls, spec: str | None = None, dtype: str | None = None, trust_remote_code: bool = False,
              backend: str = "hf", weights: str = "auto", device: str = "cpu") -> "Target":
         """Load the embedded default (spec None or 'smollm2-135m-instruct'), an HF dir or a .gguf.
 
@@ -163,14 +165,26 @@ class Target:
             raise TargetError(f"cannot load {path} as a causal language model: {e}") from e
         tok = AutoTokenizer.from_pretrained(path) if _has_tokenizer(path) else None
         model.to(device)
-        target = cls(model, tok, name, backend, weights, _gguf_source(path))
+        gguf = _gguf_source(path)
+        target = cls(model, tok, name, backend, weights, gguf, path / "native_int4.safetensors" if gguf else None)
         for note in target.notes:
             print(f"note: {note}", file=sys.stderr)
         return target
 
+    def with_backend(self, backend: str, weights: str = "auto") -> "Target":
+        """The same loaded model behind another backend / weight format (shares the HF weights)."""
+        return type(self)(self.model, self.tokenizer, self.name, backend, weights, self._gguf, self._gguf_cache)
+
     @property
     def device(self) -> torch.device:
         return self.model.device
+
+    @property
+    def profile_key(self) -> str:
+        """Names this target's cost profile: the HF backend's dtype (as before native existed), or
+        the native backend, weights and compute dtype ('native-int8-float32')."""
+        dtype = str(self.model.dtype).removeprefix("torch.")
+        return dtype if self.backend == "hf" else f"native-{self.weights}-{dtype}"
 
     @property
     def format(self) -> str:

@@ -77,7 +77,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class NativeModel:
     """The decoder stack + final norm + LM head; embeddings come from the HF model (shared)."""
 
-    def __init__(self, hf_model, weights: str = "fp32", gguf: str | Path | None = None, int4_group: int = INT4_GROUP) -> None:
+    def __init__(self, hf_model, weights: str = "fp32", gguf: str | Path | None = None, int4_group: int = INT4_GROUP,
+                 gguf_cache: Path | None = None) -> None:
         reason = unsupported_reason(hf_model)
         if reason:
             raise ValueError(f"the native backend does not support {reason}")
@@ -109,7 +110,7 @@ class NativeModel:
         if gguf is not None and weights == "int4":
             from selfdraft.native.gguf import exact_int4_weights
 
-            exact = exact_int4_weights(gguf, state, self.n_heads, self.n_kv)
+            exact = exact_int4_weights(gguf, state, self.n_heads, self.n_kv, gguf_cache)
             self.notes.append(f"{len(exact)} linear weights taken exactly from the GGUF's int4 blocks")
         self._fallbacks = 0
         self.layers = [self._layer(i, state, exact, int4_group) for i in range(cfg.num_hidden_layers)]
@@ -117,7 +118,7 @@ class NativeModel:
         head = state.get("lm_head.weight", state["model.embed_tokens.weight"])
         # The LM head: int8 in both quantised formats (per row); a GGUF's own head (Q8_0 in
         # SmolLM2's) has no exact int8 kernel, so an exact int4 load keeps it dense.
-        head_fmt = "int8" if weights in ("int8", "int4") and not exact else weights
+        head_fmt = weights if weights in ("fp32", "bf16") else self.dtype_name if exact else "int8"
         self.lm_head = self._linear([head], None, head_fmt, None, int4_group)
         if self._fallbacks:
             self.notes.append(f"{self._fallbacks} weights stay dense (their shapes do not fit the int4 kernel)")
