@@ -20,8 +20,9 @@ DtypeOpt = typer.Option("bfloat16", "--dtype", help="bfloat16 (CPU default) or f
 EngineDtypeOpt = typer.Option(None, "--dtype", help="bfloat16 | float32 (exactness); default: float32 on the native "
                               "backend on CPU (its fastest kernels), bfloat16 otherwise")
 BackendOpt = typer.Option("auto", "--backend", help="auto (native for Llama/Mistral/Qwen2/Qwen3, else hf) | native | hf")
-WeightsOpt = typer.Option("auto", "--weights", help="native weights: auto (fastest measured on CPU; dense on CUDA) | "
-                          "bf16 | fp32 | int8 (per row) | int4 (groups of 32; a GGUF's Q4 blocks exactly)")
+WeightsOpt = typer.Option("auto", "--weights", help="native weights: auto (the fastest measured on CPU; dense in --dtype "
+                          "when --dtype is given, and on CUDA) | bf16 | fp32 | int8 (per row) | int4 (groups of 32; a "
+                          "GGUF's Q4 blocks exactly)")
 DeviceOpt = typer.Option("auto", "--device", help="auto (cuda if available) | cpu | cuda")
 
 

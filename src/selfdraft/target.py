@@ -138,10 +138,12 @@ class Target:
         """Load the embedded default (spec None or 'smollm2-135m-instruct'), an HF dir or a .gguf.
 
         dtype None: float32 on the native backend on CPU, bfloat16 otherwise (resolve_options).
-        weights 'auto' on the native backend: AUTO_NATIVE_WEIGHTS on CPU, the dtype's dense format on CUDA."""
+        weights 'auto' on the native backend: AUTO_NATIVE_WEIGHTS on CPU when no dtype is given,
+        else dense weights in the dtype (so `--dtype float32` still means the exact target)."""
+        dtype_given = dtype is not None
         weights, dtype, device = resolve_options(backend, weights, dtype, device)
-        if weights == "auto" and backend != "hf" and device == "cpu":
-            weights = AUTO_NATIVE_WEIGHTS
+        if weights == "auto" and backend != "hf":  # an explicit --dtype keeps its old meaning: dense weights in it
+            weights = AUTO_NATIVE_WEIGHTS if device == "cpu" and not dtype_given else {"float32": "fp32", "bfloat16": "bf16"}[dtype]
         spec = spec or EMBEDDED_TARGET
         if spec == EMBEDDED_TARGET:
             path, name = _embedded_dir(), EMBEDDED_TARGET
