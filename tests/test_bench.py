@@ -198,7 +198,8 @@ def test_cli_bench_embedded(tmp_path):
     assert res.exit_code == 0, res.output
     data = json.loads(Path(out / "results.json").read_text())
     assert [r["label"] for r in data["runners"]] == ["none", "ngram", "hf-generate", "hf-prompt-lookup"]
-    assert data["machine"]["dtype"] == "bfloat16" and (out / "tau.png").stat().st_size > 0
+    assert data["machine"]["dtype"] == "float32" and data["machine"]["target_format"].startswith("native-")
+    assert (out / "tau.png").stat().st_size > 0
 
 
 def test_cli_bench_refuses_unknown_dataset(tmp_path):

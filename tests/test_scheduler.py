@@ -254,8 +254,9 @@ def test_profile_cli_stores_table_the_hardware_scheduler_loads(tmp_path, monkeyp
     res = CliRunner().invoke(app, ["profile", "--target", str(tmp_path / "t"), "--dtype", "float32",
                                    "--max-tokens", "6", "--kv-len", "8", "--repeats", "1"])
     assert res.exit_code == 0, res.output
-    target = Target.load(str(tmp_path / "t"), dtype="float32")
-    table = load_cost_table(target, "float32")
+    target = Target.load(str(tmp_path / "t"), dtype="float32", backend="auto")  # as the CLI loads it
+    assert target.profile_key == "native-fp32-float32"  # profiles are per backend and weight format
+    table = load_cost_table(target, target.profile_key)
     assert table.batch_tokens == (1, 2, 3, 4, 6) and all(s > 0 for s in table.sps)
-    assert profile_path(target, "float32").with_suffix(".png").stat().st_size > 1000
+    assert profile_path(target, target.profile_key).with_suffix(".png").stat().st_size > 1000
     assert "SPS(B)" in res.output

@@ -217,6 +217,9 @@ def check_target(meta: dict, target: "Target", dir: str | Path) -> None:
             f"{_describe(given)} (differs in {', '.join(diff)}): load the target it was trained on, "
             "or train a drafter for this target with `selfdraft train`"
         )
+    if trained.get("weights") and trained["weights"] != given.get("weights"):  # same model, other format
+        print(f"note: drafter {dir} was trained on this target with {trained['weights']} weights; running it with "
+              f"{given.get('weights')} weights (still lossless; acceptance may differ slightly)", file=sys.stderr)
 
 
 def load_module(dir: str | Path, target: "Target", dtype: torch.dtype | None = None) -> DrafterModule:

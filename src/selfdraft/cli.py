@@ -19,6 +19,22 @@ DtypeOpt = typer.Option("bfloat16", "--dtype", help="bfloat16 (CPU default) or f
 ThreadsOpt = typer.Option(
     DEFAULT_THREADS, "--threads", help="torch CPU threads (1 is safe on a shared machine; an idle one may gain from its cores)")
 
+# Commands that run the target (generate, demo, bench, profile, calibrate, serve): backend options
+EngineDtypeOpt = typer.Option(None, "--dtype", help="bfloat16 | float32 (exactness); default: float32 on the native "
+                              "backend on CPU (its fastest kernels), bfloat16 otherwise")
+BackendOpt = typer.Option("auto", "--backend", help="auto (native for Llama/Mistral/Qwen2/Qwen3, else hf) | native | hf")
+WeightsOpt = typer.Option("auto", "--weights", help="native weights: auto (the fastest measured on CPU; dense in --dtype "
+                          "when --dtype is given, and on CUDA) | bf16 | fp32 | int8 (per row) | int4 (groups of 32; a "
+                          "GGUF's Q4 blocks exactly)")
+DeviceOpt = typer.Option("auto", "--device", help="auto (cuda if available) | cpu | cuda")
+
+
+def _load_target(target, dtype, backend, weights, device):
+    """Target.load with the backend options (--backend, --weights, --dtype, --device)."""
+    from selfdraft.target import Target
+
+    return Target.load(target, dtype=dtype, backend=backend, weights=weights, device=device)
+
 
 def _fail(msg: str) -> None:
     typer.secho(f"error: {msg}", fg="red", err=True)
@@ -75,13 +91,16 @@ def generate(
     top_k: int = typer.Option(0, "--top-k", help="0 = off"),
     seed: Optional[int] = typer.Option(None, "--seed"),
     threads: int = ThreadsOpt,
-    dtype: str = DtypeOpt,
+    dtype: Optional[str] = EngineDtypeOpt,
+    backend: str = BackendOpt,
+    weights: str = WeightsOpt,
+    device: str = DeviceOpt,
     as_json: bool = typer.Option(False, "--json", help="print exactly one JSON object"),
 ) -> None:
     """Generate an answer with speculative decoding (lossless: same output as the target alone)."""
     from selfdraft.decode import generate as run
     from selfdraft.drafters import load_drafter
-    from selfdraft.target import Target, TargetError
+    from selfdraft.target import TargetError
 
     _set_threads(threads)
     try:
@@ -93,7 +112,7 @@ def generate(
         _check_gamma(gamma)
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         cfg = GenerationConfig(max_new_tokens=max_new_tokens, gamma=gamma)
-        tgt = Target.load(target, dtype=dtype)
+        tgt = _load_target(target, dtype, backend, weights, device)
         draft = load_drafter(drafter, tgt)
         ids = tgt.encode_prompt(text, chat=chat)
         stream = TextStream(tgt, enabled=not as_json)
@@ -140,28 +159,31 @@ def demo(
     ),
     max_new_tokens: int = typer.Option(192, "--max-new-tokens", "-n"),
     threads: int = ThreadsOpt,
-    dtype: str = DtypeOpt,
+    dtype: Optional[str] = EngineDtypeOpt,
+    backend: str = BackendOpt,
+    weights: str = WeightsOpt,
+    device: str = DeviceOpt,
 ) -> None:
     """Measure the speedup of speculative over plain decoding on one prompt; lead with it, then show the answer."""
     import torch
 
     from selfdraft.decode import generate as run
     from selfdraft.drafters import load_drafter
-    from selfdraft.target import Target, TargetError
+    from selfdraft.target import TargetError
 
     _set_threads(threads)
     torch.manual_seed(0)
     if drafter == "auto":
         drafter = str(SHIPPED_DSPARK) if (target is None and SHIPPED_DSPARK.is_dir()) else "ngram"
     try:
-        tgt = Target.load(target, dtype=dtype)
+        tgt = _load_target(target, dtype, backend, weights, device)
         draft, plain = load_drafter(drafter, tgt), load_drafter("none", tgt)
         ids = tgt.encode_prompt(DEMO_PROMPT)
         cfg = GenerationConfig(max_new_tokens=max_new_tokens)
     except (ConfigError, TargetError, OSError) as e:
         _fail(str(e))
-    print(f"measuring {max_new_tokens} greedy tokens ({dtype}, {threads} thread{'s' * (threads != 1)}): {draft.name} drafting, then "
-          "plain decoding ...", file=sys.stderr, flush=True)
+    print(f"measuring {max_new_tokens} greedy tokens ({tgt.format}, {str(tgt.model.dtype).removeprefix('torch.')}, "
+          f"{threads} thread{'s' * (threads != 1)}): {draft.name} drafting, then plain decoding ...", file=sys.stderr, flush=True)
     run(tgt, draft, ids[:16] or ids, config=GenerationConfig(max_new_tokens=4))  # warm-up
     spec = run(tgt, draft, ids, config=cfg)
     base = run(tgt, plain, ids, config=cfg)
@@ -175,8 +197,8 @@ def demo_headline(name: str, spec, base, load: float, cores: int) -> str:
     ratio = spec.tokens_per_s / base.tokens_per_s
     agree = next((i for i, (a, b) in enumerate(zip(base.token_ids, spec.token_ids)) if a != b), len(base.token_ids))
     same = "identical outputs" if base.token_ids == spec.token_ids else (
-        f"outputs equal for the first {agree} tokens, then a bf16 near-tie flipped (block verify vs 1-token "
-        "decode numerics; --dtype float32 gives bit-identical output)")
+        f"outputs equal for the first {agree} tokens, then a near-tie flipped (block verify vs 1-token "
+        "decode numerics; --weights fp32 gives bit-identical output)")
     lines = [f"speedup {ratio:.2f}x: {name} {spec.tokens_per_s:.1f} tok/s (τ={spec.tau:.2f} tokens per target "
              f"forward) vs plain decoding {base.tokens_per_s:.1f} tok/s; {same}"]
     if ratio < 1:
@@ -522,14 +544,17 @@ def bench_cmd(
     seed: int = typer.Option(0, "--seed"),
     peers: bool = typer.Option(True, "--peers/--no-peers", help="also run HF generate() and HF prompt lookup"),
     threads: int = ThreadsOpt,
-    dtype: str = DtypeOpt,
+    dtype: Optional[str] = EngineDtypeOpt,
+    backend: str = BackendOpt,
+    weights: str = WeightsOpt,
+    device: str = DeviceOpt,
     as_json: bool = typer.Option(False, "--json", help="print results.json to stdout"),
 ) -> None:
     """Benchmark drafters on bundled prompt sets, interleaved in one run; writes a report with plots."""
     import shlex
 
     from selfdraft.bench import BenchConfig, load_prompt_set, markdown_table, parse_drafter_spec, run_bench, write_report
-    from selfdraft.target import Target, TargetError
+    from selfdraft.target import TargetError
 
     _set_threads(threads)
     try:
@@ -539,7 +564,7 @@ def bench_cmd(
                           command=shlex.join(["selfdraft", *sys.argv[1:]]))
         sets = [load_prompt_set(s.strip(), num_prompts) for s in datasets.split(",") if s.strip()]
         specs = [parse_drafter_spec(s) for s in drafters.split(",") if s.strip()]
-        tgt = Target.load(target, dtype=dtype)
+        tgt = _load_target(target, dtype, backend, weights, device)
         results = run_bench(tgt, specs, sets, cfg)
         paths = write_report(results, out)
     except (ConfigError, TargetError, OSError) as e:
@@ -555,7 +580,10 @@ def bench_cmd(
 @app.command("profile")
 def profile_cmd(
     target: Optional[str] = TargetOpt,
-    dtype: str = DtypeOpt,
+    dtype: Optional[str] = EngineDtypeOpt,
+    backend: str = BackendOpt,
+    weights: str = WeightsOpt,
+    device: str = DeviceOpt,
     max_tokens: int = typer.Option(128, "--max-tokens", help="largest B measured (the engine sees up to R_max·(γ+1))"),
     kv_len: int = typer.Option(256, "--kv-len", help="cached tokens each measured forward attends to"),
     repeats: int = typer.Option(5, "--repeats", help="timed forwards per B (the fastest is kept)"),
@@ -577,20 +605,20 @@ def profile_cmd(
     from selfdraft.engine import drafter_factory, engine_throughput
     from selfdraft.profile import geometric_batch_tokens, load_profile, measure_sps, plot_profile, profile_path, save_profile
     from selfdraft.scheduler import Scheduler
-    from selfdraft.target import Target, TargetError
+    from selfdraft.target import TargetError
 
     _set_threads(threads)
     try:
         if engine is not None:
             _check_gamma(gamma)
-        tgt = Target.load(target, dtype=dtype)
-        path = profile_path(tgt, dtype)
+        tgt = _load_target(target, dtype, backend, weights, device)
+        path = profile_path(tgt, tgt.profile_key)
         if measure:
-            prof = measure_sps(tgt, dtype, geometric_batch_tokens(max_tokens), kv_len, repeats)
+            prof = measure_sps(tgt, tgt.profile_key, geometric_batch_tokens(max_tokens), kv_len, repeats)
             save_profile(prof, path)
             plot_profile(prof, path.with_suffix(".png"))
         else:
-            prof = load_profile(tgt, dtype)
+            prof = load_profile(tgt, tgt.profile_key)
         print(prof.table())
         print(f"-> {path} (+ .png)", file=sys.stderr)
         if engine is None:
@@ -625,12 +653,15 @@ def calibrate_cmd(
     top_k: int = typer.Option(0, "--top-k", help="0 = off"),
     seed: int = typer.Option(0, "--seed"),
     threads: int = ThreadsOpt,
-    dtype: str = DtypeOpt,
+    dtype: Optional[str] = EngineDtypeOpt,
+    backend: str = BackendOpt,
+    weights: str = WeightsOpt,
+    device: str = DeviceOpt,
 ) -> None:
     """Fit T_k (Sequential Temperature Scaling) on held-out rounds; store them in the checkpoint with
     calibration.json and a reliability diagram per position (ECE and ROC-AUC before/after)."""
     from selfdraft.bench import load_prompt_set
-    from selfdraft.target import Target, TargetError
+    from selfdraft.target import TargetError
     from selfdraft.training.calibrate import calibrate_checkpoint
     from selfdraft.training.data import DataError, iter_records
 
@@ -639,7 +670,7 @@ def calibrate_cmd(
         if (data is None) == (prompts is None):
             raise ConfigError("give exactly one of --data DIR (held-out split) or --prompts FILE.jsonl")
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
-        tgt = Target.load(target, dtype=dtype)
+        tgt = _load_target(target, dtype, backend, weights, device)
         if data is not None:
             recs = (r for r in iter_records(data, split) if 1 in r["loss_mask"])
             ids = [r["input_ids"][: r["loss_mask"].index(1)] for r, _ in zip(recs, range(num_prompts))]
@@ -711,7 +742,10 @@ def serve_cmd(
     gamma: int = typer.Option(7, "--gamma", help="draft tokens per round (γ)"),
     shutdown_grace: float = typer.Option(10.0, "--shutdown-grace", help="seconds in-flight requests get to finish on SIGINT/SIGTERM"),
     threads: int = ThreadsOpt,
-    dtype: str = DtypeOpt,
+    dtype: Optional[str] = EngineDtypeOpt,
+    backend: str = BackendOpt,
+    weights: str = WeightsOpt,
+    device: str = DeviceOpt,
     log_level: str = typer.Option("info", "--log-level"),
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, streaming) on the batched speculative engine."""
@@ -719,16 +753,16 @@ def serve_cmd(
     from selfdraft.profile import load_cost_table
     from selfdraft.scheduler import Scheduler
     from selfdraft.serve import EngineLoop, ServerMetrics, create_app, run_server
-    from selfdraft.target import Target, TargetError
+    from selfdraft.target import TargetError
 
     _set_threads(threads)
     try:
         if max_concurrency < 1 or (max_batch is not None and max_batch < 1):
             raise ConfigError("--max-concurrency and --max-batch must be >= 1")
         _check_gamma(gamma)
-        tgt = Target.load(target, dtype=dtype)
+        tgt = _load_target(target, dtype, backend, weights, device)
         sched = Scheduler(scheduler, threshold=threshold,
-                          cost=load_cost_table(tgt, dtype) if scheduler == "hardware" else None)
+                          cost=load_cost_table(tgt, tgt.profile_key) if scheduler == "hardware" else None)
         make = drafter_factory(drafter, tgt)
         name = model_name or Path(tgt.name).name
         runner = EngineLoop(tgt, make, make().name, sched, max_batch or max_concurrency, max_concurrency,

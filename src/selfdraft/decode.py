@@ -62,7 +62,9 @@ class GenerationResult:
 
 
 def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, generator) -> Verification:
-    """logits: [γ'+1, V] target logits at [anchor, drafts]. Dispatches tree vs greedy vs rejection sampling."""
+    """logits: [γ'+1, V] target logits at [anchor, drafts]. Dispatches tree vs greedy vs rejection sampling.
+    Runs on the CPU (a no-op there): the request's generator is a CPU one, whatever the target's device."""
+    logits, proposal = logits.cpu(), proposal.cpu()
     if proposal.parents is not None:  # a draft tree: the sibling rule (greedy = one-hot p)
         return verify_tree(probs_from_logits(logits, params), proposal.tokens, proposal.parents, generator)
     if params.greedy:
@@ -106,7 +108,7 @@ def generate(
         # 2. Draft at most what still fits under max_new_tokens (one slot is kept for the bonus).
         t0 = time.perf_counter()
         budget = min(config.gamma, config.max_new_tokens - len(out) - 1)
-        proposal = drafter.propose(prompt_ids + out, budget, params, gen).truncate(budget)
+        proposal = drafter.propose(prompt_ids + out, budget, params, gen).truncate(budget).cpu()
         t1 = time.perf_counter()
         # 3. One target forward over [anchor, d_1..d_γ'] -> logits [γ'+1, V].
         block = torch.cat([torch.tensor([out[-1]]), proposal.tokens])[None]

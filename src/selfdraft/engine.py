@@ -55,7 +55,7 @@ class PaddedCache:
 
     def __init__(self, target: Target) -> None:
         self.target = target
-        self.cache = target.new_cache()
+        self.cache = target.new_cache(dynamic=True)
         self.valid = torch.zeros(0, 0, dtype=torch.bool)
 
     @property
@@ -82,11 +82,11 @@ class PaddedCache:
     def keep_rows(self, rows: list[int]) -> None:
         """Drop every row not in `rows` (finished or cancelled requests)."""
         if not rows:
-            self.cache, self.valid = self.target.new_cache(), torch.zeros(0, 0, dtype=torch.bool)
+            self.cache, self.valid = self.target.new_cache(dynamic=True), torch.zeros(0, 0, dtype=torch.bool)
             return
         idx = torch.tensor(rows)
         for layer in self.cache.layers:
-            layer.keys, layer.values = layer.keys[idx], layer.values[idx]
+            layer.keys, layer.values = layer.keys[idx.to(layer.keys.device)], layer.values[idx.to(layer.keys.device)]
         self.valid = self.valid[idx]
 
     def compact(self, slack: int) -> None:
@@ -97,7 +97,7 @@ class PaddedCache:
             return
         order = torch.sort((~self.valid).int(), dim=1, stable=True).indices[:, :n_max]  # [R, n_max]
         for layer in self.cache.layers:
-            gather = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            gather = order.to(layer.keys.device)[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
             layer.keys, layer.values = layer.keys.gather(2, gather), layer.values.gather(2, gather)
         self.valid = self.valid.gather(1, order)
 
@@ -190,7 +190,7 @@ class Engine:
         )
         if any(p.parents is not None for p in proposals):
             raise TargetError("a drafter drafts a tree; the batched engine verifies chains (use decode.generate)")
-        proposals = [p.truncate(n) for p, n in zip(proposals, budgets)]
+        proposals = [p.truncate(n).cpu() for p, n in zip(proposals, budgets)]
         # 2. The scheduler picks ℓ_r from the confidences, SPS and the drafting time (an EMA of past steps).
         ells = self.scheduler.lengths(proposals, overhead_s=self._draft_s)
         proposals = [p.truncate(n) for p, n in zip(proposals, ells)]
@@ -252,7 +252,7 @@ class Engine:
         while self.pending and len(self.active) < self.max_concurrency:
             q = self.pending.pop(0)
             q.t_start = time.perf_counter()
-            row = self.target.new_cache()
+            row = self.target.new_cache(dynamic=True)
             step = self.target.forward(torch.tensor([q.prompt]), row, q.drafter.feature_layers, last_only=True)
             q.out.append(verify(step.logits[0, -1:], Proposal.empty(), q.params, q.generator).next_token)
             q.drafter.begin(list(q.prompt), step)

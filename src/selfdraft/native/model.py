@@ -1,0 +1,288 @@
+"""A lean Llama-family decoder stack (Llama / SmolLM, Mistral, Qwen2, Qwen3) for the target.
+
+Built from a loaded HF model's config and weights, it computes what the HF model computes
+(float32: logits within 1e-4, tests/test_native.py) with less framework per layer: fused QKV and
+gate/up projections, a preallocated KV cache rolled back by lengths (native/cache.py), one
+explicit boolean mask per forward shared by all layers (causal, padding, sliding window or a
+caller's tree mask) and PyTorch's SDPA. Linear weights may be dense or weight-only int8 / int4
+(native/quant.py), including the exact int4 form of a GGUF's Q4_0 / Q4_1 blocks (native/gguf.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from selfdraft.native.cache import NativeCache
+from selfdraft.native.quant import INT4_GROUP, DenseLinear, Int4Linear, Int4Weights, Int8Linear, Linear, int4_supported
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # static inv_freq; 'dynamic'/'longrope' change it with length
+WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
+
+
+def unsupported_reason(model) -> str | None:
+    """Why the native stack cannot run this HF model (None: it can)."""
+    cfg = model.config
+    arch = type(model).__name__
+    if arch not in ARCHITECTURES:
+        return f"architecture {arch} (native: {', '.join(ARCHITECTURES)})"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"activation {cfg.hidden_act}"
+    rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope not in ROPE_TYPES:
+        return f"rope scaling {rope!r} (native: {', '.join(ROPE_TYPES)})"
+    return None
+
+
+@dataclass
+class NativeStep:
+    """Hidden states of one forward over T new tokens (B = batch)."""
+
+    last_hidden: torch.Tensor  # [B, T, H] after the final norm
+    features: list[torch.Tensor]  # per requested layer i: [B, T, H] output of decoder layer i
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor  # [H]
+    qkv: Linear  # H -> (n_q + 2 n_kv) * d
+    q_norm: torch.Tensor | None  # [d] (Qwen3)
+    k_norm: torch.Tensor | None
+    o: Linear  # n_q * d -> H
+    post_norm: torch.Tensor  # [H]
+    gate_up: Linear  # H -> 2 I
+    down: Linear  # I -> H
+    window: int | None  # sliding-window size of this layer (None: full attention)
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm, same operation order (float32 statistics, weight applied in the input dtype)."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's rotate-half RoPE. x: [B, n, T, d]; cos, sin: [B, 1, T, d]."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+class NativeModel:
+    """The decoder stack + final norm + LM head; embeddings come from the HF model (shared)."""
+
+    def __init__(self, hf_model, weights: str = "fp32", gguf: str | Path | None = None, int4_group: int = INT4_GROUP,
+                 gguf_cache: Path | None = None) -> None:
+        reason = unsupported_reason(hf_model)
+        if reason:
+            raise ValueError(f"the native backend does not support {reason}")
+        if weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
+        cfg = hf_model.config
+        self.config = cfg
+        self.weights = weights
+        self.dtype = next(hf_model.parameters()).dtype  # compute (activation) dtype
+        dense = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(weights)
+        if dense is not None and dense != self.dtype:
+            raise ValueError(f"dense {weights} weights need the model loaded in {dense}, not {self.dtype}")
+        self.device = next(hf_model.parameters()).device
+        self.hidden_size = cfg.hidden_size
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.eps = cfg.rms_norm_eps
+        self.scale = self.head_dim**-0.5
+        self.max_context = getattr(cfg, "max_position_embeddings", 1 << 20)
+        rotary = hf_model.model.rotary_emb  # inv_freq and scaling exactly as the config's rope type says
+        self.inv_freq = rotary.inv_freq.float().to(self.device)
+        self.rope_scaling = float(rotary.attention_scaling)
+        self.embed_tokens = hf_model.model.embed_tokens
+        self.notes: list[str] = []
+
+        state = {k: v.detach() for k, v in hf_model.state_dict().items()}
+        exact = {}
+        if gguf is not None and weights == "int4":
+            from selfdraft.native.gguf import exact_int4_weights
+
+            exact = exact_int4_weights(gguf, state, self.n_heads, self.n_kv, gguf_cache)
+            self.notes.append(f"{len(exact)} linear weights taken exactly from the GGUF's int4 blocks")
+        self._fallbacks = 0
+        self.layers = [self._layer(i, state, exact, int4_group) for i in range(cfg.num_hidden_layers)]
+        self.norm = state["model.norm.weight"]
+        head = state.get("lm_head.weight", state["model.embed_tokens.weight"])
+        # The LM head: int8 in both quantised formats (per row); a GGUF's own head (Q8_0 in
+        # SmolLM2's) has no exact int8 kernel, so an exact int4 load keeps it dense.
+        head_fmt = weights if weights in ("fp32", "bf16") else self.dtype_name if exact else "int8"
+        self.lm_head = self._linear([head], None, head_fmt, None, int4_group)
+        if self._fallbacks:
+            self.notes.append(f"{self._fallbacks} weights stay dense (their shapes do not fit the int4 kernel)")
+
+    # ---------------------------------------------------------------- building
+    def _linear(self, ws: list[torch.Tensor], bs: list[torch.Tensor | None] | None, fmt: str,
+                exact: list[Int4Weights | None] | None, group: int) -> Linear:
+        """Fuse weights ws (stacked as output rows) into one Linear of format fmt."""
+        w = torch.cat(ws) if len(ws) > 1 else ws[0]
+        b = None
+        if bs is not None and any(x is not None for x in bs):
+            b = torch.cat([x if x is not None else w.new_zeros(wi.shape[0]) for x, wi in zip(bs, ws)]).to(self.dtype)
+        if fmt == "int4" and not int4_supported(w.shape[0], w.shape[1], self.device, group):
+            fmt, self._fallbacks = self.dtype_name, self._fallbacks + 1
+        if fmt == "int8":
+            return Int8Linear.quantize(w, b, self.dtype)
+        if fmt == "int4":
+            if exact is not None and all(e is not None for e in exact):
+                q = Int4Weights.cat(exact)
+            else:
+                q = Int4Weights.quantize(w, group)
+            return Int4Linear(q, b, self.dtype, self.device)
+        return DenseLinear(w.to({"fp32": torch.float32, "bf16": torch.bfloat16}[fmt]).contiguous(), b)
+
+    @property
+    def dtype_name(self) -> str:
+        return "bf16" if self.dtype == torch.bfloat16 else "fp32"
+
+    def _layer(self, i: int, state: dict, exact: dict, group: int) -> _Layer:
+        p = f"model.layers.{i}."
+        get = lambda n: state.get(p + n)  # noqa: E731
+        qkv_names = [f"self_attn.{x}_proj" for x in "qkv"]
+        gu_names = ["mlp.gate_proj", "mlp.up_proj"]
+        fmt = self.weights
+        ex = lambda names: [exact.get(p + n + ".weight") for n in names]  # noqa: E731
+        cfg = self.config
+        window = getattr(cfg, "sliding_window", None)
+        layer_types = getattr(cfg, "layer_types", None)
+        if layer_types is not None:  # Qwen2/Qwen3: per-layer sliding attention
+            window = window if layer_types[i] == "sliding_attention" else None
+        return _Layer(
+            input_norm=get("input_layernorm.weight"),
+            qkv=self._linear([get(n + ".weight") for n in qkv_names], [get(n + ".bias") for n in qkv_names], fmt, ex(qkv_names), group),
+            q_norm=get("self_attn.q_norm.weight"),
+            k_norm=get("self_attn.k_norm.weight"),
+            o=self._linear([get("self_attn.o_proj.weight")], [get("self_attn.o_proj.bias")], fmt, ex(["self_attn.o_proj"]), group),
+            post_norm=get("post_attention_layernorm.weight"),
+            gate_up=self._linear([get(n + ".weight") for n in gu_names], [get(n + ".bias") for n in gu_names], fmt, ex(gu_names), group),
+            down=self._linear([get("mlp.down_proj.weight")], [get("mlp.down_proj.bias")], fmt, ex(["mlp.down_proj"]), group),
+            window=window,
+        )
+
+    def new_cache(self) -> NativeCache:
+        return NativeCache(len(self.layers), self.n_kv, self.head_dim, self.max_context, self.dtype, self.device)
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights one forward streams (all linears; embeddings are a lookup)."""
+        lin = [l for L in self.layers for l in (L.qkv, L.o, L.gate_up, L.down)] + [self.lm_head]
+        return sum(l.nbytes() for l in lin)
+
+    # ---------------------------------------------------------------- forward
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache,
+        feature_layers: tuple[int, ...] = (),
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> NativeStep:
+        """input_ids [B, T] appended after what `cache` holds (a NativeCache, an HF DynamicCache
+        as the batched engine keeps it, or None). attention_mask: None, 2D [B, past + T]
+        (1 = visible key slot) or 4D [B or 1, 1, T, past + T] (bool or additive; used as given)."""
+        B, T = input_ids.shape
+        dev = self.device
+        input_ids = input_ids.to(dev)
+        native = isinstance(cache, NativeCache)
+        if native:
+            cache.reserve(B, cache.get_seq_length() + T)
+            past = torch.tensor(cache.lengths)  # [B] slot of each row's first new token
+        else:
+            past = torch.full((B,), cache.get_seq_length() if cache is not None else 0, dtype=torch.long)
+        uniform = bool((past == past[0]).all())
+        p0, Lk = int(past[0]), int(past.max()) + T  # key slots attended: [0, Lk)
+        if position_ids is None:
+            position_ids = past[:, None] + torch.arange(T)
+        mask = self._mask(past, T, Lk, uniform, attention_mask)
+
+        freqs = position_ids.to(dev)[..., None].float() * self.inv_freq  # [B, T, d/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.rope_scaling).to(self.dtype)[:, None]  # [B, 1, T, d]
+        sin = (emb.sin() * self.rope_scaling).to(self.dtype)[:, None]
+        if native and not uniform:  # ragged rows: scatter each row's block at its own length
+            slots = (past[:, None] + torch.arange(T)).to(dev)  # [B, T]
+            rows = torch.arange(B, device=dev)[:, None]
+
+        x = self.embed_tokens(input_ids)  # [B, T, H]
+        feats: dict[int, torch.Tensor] = {}
+        nq, nkv, d = self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.head_dim
+        for i, L in enumerate(self.layers):
+            h = _rms_norm(x, L.input_norm, self.eps)
+            q, k, v = L.qkv(h).split([nq, nkv, nkv], dim=-1)
+            q = q.view(B, T, self.n_heads, d)
+            k = k.view(B, T, self.n_kv, d)
+            if L.q_norm is not None:
+                q, k = _rms_norm(q, L.q_norm, self.eps), _rms_norm(k, L.k_norm, self.eps)
+            q = _rotate(q.transpose(1, 2), cos, sin)  # [B, n_q, T, d]
+            k = _rotate(k.transpose(1, 2), cos, sin)  # [B, n_kv, T, d]
+            v = v.view(B, T, self.n_kv, d).transpose(1, 2)
+            if native:
+                K, V = cache.keys[i], cache.values[i]  # [B, n_kv, cap, d]
+                if uniform:
+                    K[:, :, p0 : p0 + T] = k
+                    V[:, :, p0 : p0 + T] = v
+                else:
+                    K[rows, :, slots] = k.transpose(1, 2)
+                    V[rows, :, slots] = v.transpose(1, 2)
+                K, V = K[:, :, :Lk], V[:, :, :Lk]
+            elif cache is not None:
+                K, V = cache.update(k, v, i)
+            else:
+                K, V = k, v
+            m = mask if L.window is None else self._window(mask, past, T, Lk, L.window, attention_mask)
+            a = F.scaled_dot_product_attention(q, K, V, attn_mask=m, scale=self.scale, enable_gqa=self.n_kv != self.n_heads)
+            x = x + L.o(a.transpose(1, 2).reshape(B, T, nq))
+            h = _rms_norm(x, L.post_norm, self.eps)
+            g, u = L.gate_up(h).chunk(2, dim=-1)
+            x = x + L.down(F.silu(g) * u)
+            if i in feature_layers:
+                feats[i] = x
+        if native:
+            cache.lengths = [n + T for n in cache.lengths]
+        return NativeStep(last_hidden=_rms_norm(x, self.norm, self.eps), features=[feats[i] for i in feature_layers])
+
+    def _mask(self, past: torch.Tensor, T: int, Lk: int, uniform: bool, given: torch.Tensor | None) -> torch.Tensor | None:
+        """[B, 1, T, Lk] (True = visible) or None when every cached key and the whole block are visible.
+
+        Slot-causal like HF: block row i of request b sees key slots j <= past[b] + i (slots past a
+        ragged row's block hold stale keys and stay hidden); a 2D mask also hides its zeros; a 4D
+        mask is the caller's (a tree's ancestry) and used as is."""
+        if given is not None and given.dim() == 4:
+            g = given.to(self.device)
+            return g if g.dtype == torch.bool else g.to(self.dtype)
+        if given is None and uniform and T == 1:
+            return None
+        j = torch.arange(Lk)
+        visible = j[None, None, :] <= (past[:, None] + torch.arange(T))[:, :, None]  # [B, T, Lk]
+        if given is not None:
+            visible = visible & given.bool()[:, None, :Lk]
+        return visible[:, None].to(self.device)
+
+    def _window(self, mask: torch.Tensor | None, past: torch.Tensor, T: int, Lk: int, window: int,
+                given: torch.Tensor | None) -> torch.Tensor | None:
+        """Also hide keys more than `window` - 1 slots behind the query (HF's sliding attention);
+        a caller's 4D mask is used as is (as HF does)."""
+        if given is not None and given.dim() == 4:
+            return mask
+        qpos = past[:, None] + torch.arange(T)  # [B, T]
+        near = torch.arange(Lk)[None, None, :] > qpos[:, :, None] - window  # [B, T, Lk]
+        near = near[:, None].to(self.device)
+        if mask is None:
+            return None if bool(near.all()) else near
+        return mask & near
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., V] with the native LM head (in its weight format)."""
+        return self.lm_head(hidden.to(self.dtype))

