@@ -19,7 +19,7 @@ from typing import AsyncIterator
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from selfdraft.serve.engine_loop import Delta, EngineLoop, Handle, Overloaded, RequestSpec, ShuttingDown
@@ -70,10 +70,10 @@ def create_app(runner: EngineLoop, model_name: str, api_key: str | None = None, 
     metrics = runner.metrics
 
     # ------------------------------------------------------------ errors: always OpenAI objects
-    def error_response(e: OpenAIError) -> JSONResponse:
+    def error_response(e: OpenAIError, headers: dict | None = None) -> JSONResponse:
         if e.status in ERROR_CODES:
             metrics.rejected.labels(str(e.status)).inc()
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, e: OpenAIError) -> JSONResponse:
@@ -89,7 +89,7 @@ def create_app(runner: EngineLoop, model_name: str, api_key: str | None = None, 
         if e.status_code == 413:
             return error_response(OpenAIError(413, f"the request body exceeds this server's limit of {max_body_bytes} "
                                                    "bytes", kind, None, "request_too_large"))
-        return error_response(OpenAIError(e.status_code, str(e.detail), kind))
+        return error_response(OpenAIError(e.status_code, str(e.detail), kind), e.headers)  # e.g. 405's Allow
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, e: Exception) -> JSONResponse:  # a bug: log it, say nothing
@@ -125,7 +125,7 @@ def create_app(runner: EngineLoop, model_name: str, api_key: str | None = None, 
     async def health() -> dict:
         return {"status": "ok", "model": model_name, "drafter": runner.drafter_name, "in_flight": runner.in_flight}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics_route() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
 

@@ -46,6 +46,7 @@ class ErrorBody(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
     include_usage: bool = False
 
 
@@ -86,7 +87,7 @@ class _Request(BaseModel):
     """Fields both endpoints share. Unknown fields are accepted and ignored, as OpenAI-compatible
     servers do; fields that would change the output and are not supported raise 400 (UNSUPPORTED)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)  # no coercion: [[false]] is not token ids
 
     @model_validator(mode="before")
     @classmethod
@@ -118,13 +119,13 @@ class CompletionRequest(_Request):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)  # no coercion: [[false]] is not token ids
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)  # no coercion: [[false]] is not token ids
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
 
