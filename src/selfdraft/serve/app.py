@@ -64,7 +64,7 @@ def create_app(runner: EngineLoop, model_name: str, api_key: str | None = None, 
         yield
         await asyncio.to_thread(runner.shutdown, shutdown_grace_s)
 
-    app = FastAPI(title="selfdraft", lifespan=lifespan, max_body_size=max_body_bytes)
+    app = FastAPI(title="selfdraft", lifespan=lifespan)
     app.state.runner = runner
     created = int(time.time())
     metrics = runner.metrics
@@ -87,8 +87,7 @@ def create_app(runner: EngineLoop, model_name: str, api_key: str | None = None, 
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         if e.status_code == 413:
-            return error_response(OpenAIError(413, f"the request body exceeds this server's limit of {max_body_bytes} "
-                                                   "bytes", kind, None, "request_too_large"))
+            return error_response(too_large)
         return error_response(OpenAIError(e.status_code, str(e.detail), kind), e.headers)  # e.g. 405's Allow
 
     @app.exception_handler(Exception)
@@ -119,6 +118,37 @@ def create_app(runner: EngineLoop, model_name: str, api_key: str | None = None, 
             raise OpenAIError(429, str(e), "rate_limit_error", None, "too_many_requests") from e
         except ShuttingDown as e:
             raise OpenAIError(503, str(e), "server_error", None, "shutting_down") from e
+
+    too_large = OpenAIError(413, f"the request body exceeds this server's limit of {max_body_bytes} bytes",
+                            "invalid_request_error", None, "request_too_large")
+
+    class BodyLimit:
+        """413 (an OpenAI error object) for a body over max_body_bytes: at once when Content-Length
+        says so, else as soon as the streamed body passes the limit (the handler's error path)."""
+
+        def __init__(self, inner) -> None:
+            self.inner = inner
+
+        async def __call__(self, scope, receive, send) -> None:
+            if scope["type"] != "http":
+                return await self.inner(scope, receive, send)
+            declared = dict(scope["headers"]).get(b"content-length", b"")
+            if declared.isdigit() and int(declared) > max_body_bytes:
+                return await error_response(too_large)(scope, receive, send)
+            seen = 0
+
+            async def limited():
+                nonlocal seen
+                message = await receive()
+                if message["type"] == "http.request":
+                    seen += len(message.get("body", b""))
+                    if seen > max_body_bytes:
+                        raise StarletteHTTPException(413)
+                return message
+
+            await self.inner(scope, limited, send)
+
+    app.add_middleware(BodyLimit)
 
     # ------------------------------------------------------------ routes
     @app.get("/health")
