@@ -6,6 +6,9 @@ tokens/s and aggregate tokens/s. With --check, the streams also carry the genera
 `return_token_ids` extension): they must number usage.completion_tokens and decode to exactly the
 streamed text (no token lost or duplicated on the way); then each prompt is sent once more,
 non-streamed, and compared token for token. Server-side τ and verify tokens per step: /metrics.
+With --poison-every S, one more client sends a request with hostile parameters every S seconds
+(temperatures and top_p below float32's range, NaN, lone surrogates, unsupported fields): each must
+get its expected status (200 or 400) while every other request still finishes normally.
 
     python scripts/load_serve.py --url http://127.0.0.1:8000 --clients 16 --requests 32 --max-tokens 48 \
         --check --out runs/serve/dspark.json
@@ -125,6 +128,45 @@ async def run_phase(client, model, prompts, requests, clients, max_tokens, strea
     return sorted(done, key=lambda s: s.index), time.perf_counter() - t0
 
 
+# (label, JSON fragment sent raw: NaN and lone surrogates are not valid for the openai client, status expected)
+POISON = [
+    ("temperature 1e-40", '"temperature": 1e-40', 200),
+    ("temperature 5e-324", '"temperature": 5e-324', 200),
+    ("top_p 1e-46", '"temperature": 1, "top_p": 1e-46', 200),
+    ("top_p 1e-300", '"temperature": 1, "top_p": 1e-300', 200),
+    ("temperature NaN", '"temperature": NaN', 400),
+    ("presence_penalty NaN", '"presence_penalty": NaN', 400),
+    ("lone surrogate", '"stop": ["\\ud800"]', 400),
+    ("logit_bias junk", '"logit_bias": {"abc": 1e308}', 400),
+    ("response_format", '"response_format": {"type": "json_object"}', 400),
+]
+
+
+async def poisoner(url: str, key: str, model: str, every: float, stop: asyncio.Event) -> list[dict]:
+    """Every `every` seconds, one request with the next hostile parameters (not waiting for replies)."""
+    async with httpx.AsyncClient(timeout=600) as c:
+        async def send(label: str, fragment: str, expected: int) -> dict:
+            body = (f'{{"model": {json.dumps(model)}, "max_tokens": 4, '
+                    f'"messages": [{{"role": "user", "content": "Hi"}}], {fragment}}}')
+            try:
+                r = await c.post(f"{url}/v1/chat/completions", content=body.encode(),
+                                 headers={"content-type": "application/json", "authorization": f"Bearer {key}"})
+                status = r.status_code
+            except httpx.HTTPError as e:
+                status = f"{type(e).__name__}"
+            return {"label": label, "status": status, "expected": expected}
+
+        tasks, k = [], 0
+        while not stop.is_set():
+            tasks.append(asyncio.create_task(send(*POISON[k % len(POISON)])))
+            k += 1
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=every)
+            except asyncio.TimeoutError:
+                pass
+        return list(await asyncio.gather(*tasks))
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
@@ -142,6 +184,7 @@ async def main() -> None:
     ap.add_argument("--check", action="store_true", help="then send each prompt non-streamed and compare")
     ap.add_argument("--tokenizer", type=Path, default=default_tokenizer(), help="tokenizer.json of the target (--check)")
     ap.add_argument("--out", type=Path, default=None, help="write all samples and the summary as JSON")
+    ap.add_argument("--poison-every", type=float, default=0.0, help="one more client: a hostile request every S seconds")
     a = ap.parse_args()
 
     client = openai.AsyncOpenAI(base_url=f"{a.url}/v1", api_key=a.api_key, max_retries=0, timeout=600,
@@ -151,7 +194,11 @@ async def main() -> None:
     prompts = load_prompts(a.prompts, a.per_set)
     await one(client, model, -1, 0, "Hi", 4, True, False)  # warm-up, not counted
     before = scrape(a.url)
+    stop = asyncio.Event()
+    poison = asyncio.create_task(poisoner(a.url, a.api_key, model, a.poison_every, stop)) if a.poison_every else None
     samples, wall = await run_phase(client, model, prompts, a.requests, a.clients, a.max_tokens, True, a.check)
+    stop.set()
+    poisoned = await poison if poison else []
     after = scrape(a.url)
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
 
@@ -178,6 +225,13 @@ async def main() -> None:
     # Token accounting from the stream itself: every request ends with a finish reason and a usage
     # count; a length-finished one must have exactly max_tokens.
     summary["bad_counts"] = sum(1 for s in ok if s.finish_reason == "length" and s.completion_tokens != a.max_tokens)
+    if poisoned:
+        by: dict[str, dict] = {}
+        for x in poisoned:
+            by.setdefault(x["label"], {}).setdefault(str(x["status"]), 0)
+            by[x["label"]][str(x["status"])] += 1
+        summary.update(poison_requests=len(poisoned), poison_by_label=by,
+                       poison_unexpected=sum(x["status"] != x["expected"] for x in poisoned))
     if a.check:
         # 1. Lost / duplicated tokens: the ids streamed with the text number usage.completion_tokens and
         #    decode (the target's own tokenizer, here in the client) to exactly the streamed text.

@@ -152,3 +152,37 @@ def test_target_weights_are_never_saved(tiny_target, tmp_path):
     with pytest.raises(CheckpointError, match="head.weight"):
         save_checkpoint(tmp_path / "d", Leaky(), CFG, tiny_target, {})
     assert not (tmp_path / "d").exists()
+
+
+def test_temp_dir_of_a_killed_save_is_removed_at_the_next_load(toy_method, tiny_target, tmp_path):
+    """A process killed while writing `.d.tmp` (the owner pid is gone) leaves it behind; the next
+    loader removes it. A `.tmp` whose writer still runs is left alone."""
+    import subprocess
+    import sys
+
+    d = save(tmp_path / "d", toy_model(tiny_target), tiny_target)
+    code = ("import os, signal, sys; from selfdraft.checkpoint import atomic_dir\n"
+            "with atomic_dir(sys.argv[1]) as tmp:\n"
+            "    (tmp / 'model.safetensors').write_bytes(b'x' * 100000)\n"
+            "    os.kill(os.getpid(), signal.SIGKILL)\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True)
+    assert proc.returncode == -9
+    tmp, owner = tmp_path / ".d.tmp", tmp_path / ".d.tmp.owner"
+    assert tmp.is_dir() and owner.exists()
+    load_module(d, tiny_target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
+
+    tmp.mkdir()  # a writer that is alive (this process): its temp dir stays
+    owner.write_text(f"{ckpt.os.getpid()} {ckpt.socket.gethostname()}")
+    load_module(d, tiny_target)
+    assert tmp.is_dir()
+
+
+def test_config_whose_method_fields_disagree_or_are_unknown_is_refused(toy_method, tiny_target, tmp_path):
+    d = save(tmp_path / "d", toy_model(tiny_target), tiny_target)
+    meta = json.loads((d / "config.json").read_text())
+    for drafter_method, match in (("bogus", "disagree"), ("dflash", "disagree")):
+        (d / "config.json").write_text(json.dumps({**meta, "drafter": {**meta["drafter"], "method": drafter_method}}))
+        with pytest.raises(CheckpointError, match=match) as e:
+            load_checkpoint(d, tiny_target)
+        assert str(d / "config.json") in str(e.value)

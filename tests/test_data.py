@@ -442,3 +442,33 @@ def test_data_cli_end_to_end(tmp_path):
     write_jsonl(evals / "alpaca.jsonl", [json.dumps({"turns": ["hi"]})])
     res = runner.invoke(app, ["data", "regenerate", str(evals / "alpaca.jsonl"), "--out", str(data)])
     assert res.exit_code == 2 and "evaluation" in res.output
+
+
+@needs_tokenizer
+def test_a_killed_regeneration_run_stays_in_manifest_runs(tmp_path, chat_target, monkeypatch):
+    """A run is recorded at its start and after each batch: a kill (here: an exception after two
+    batches, so nothing of regenerate's own ending runs) leaves it as "running" with what it wrote;
+    the next run marks it "killed" and adds itself."""
+    import selfdraft.training.data as data_mod
+
+    prompts = prompt_file(tmp_path, 6)
+    cfg = RegenConfig(max_new_tokens=3, batch_size=2, shard_size=3, num_turns=1)
+    real, calls = data_mod.answer_batch, []
+
+    def dies_on_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt("kill -9")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(data_mod, "answer_batch", dies_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(chat_target, prompts, tmp_path / "out", cfg, progress=False)
+    runs = json.loads((tmp_path / "out" / "manifest.json").read_text())["runs"]
+    assert len(runs) == 1 and runs[0]["status"] == "running" and runs[0]["written"] == 4
+    monkeypatch.setattr(data_mod, "answer_batch", real)
+    regenerate(chat_target, prompts, tmp_path / "out", cfg, progress=False)
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert [r["status"] for r in manifest["runs"]] == ["killed", "finished"]
+    assert [r["written"] for r in manifest["runs"]] == [4, 2] and manifest["complete"]
+    assert manifest["wall_time_s"] == pytest.approx(sum(r["wall_s"] for r in manifest["runs"]))

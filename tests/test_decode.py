@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -12,7 +13,7 @@ import selfdraft.decode as decode_mod
 from selfdraft.config import GenerationConfig, SamplingParams
 from selfdraft.decode import generate
 from selfdraft.drafters import REGISTRY, Drafter, Proposal
-from selfdraft.sampling import probs_from_logits, sample
+from selfdraft.sampling import probs_from_logits, process_logits, sample
 from selfdraft.target import Target
 from tests.conftest import tiny_llama
 from tests.test_verify import _broken_chain
@@ -31,7 +32,8 @@ class ModelDrafter(Drafter):
     def propose(self, tokens, gamma, params, generator):
         seq, drafts, qs = list(tokens), [], []
         for _ in range(gamma):
-            q = probs_from_logits(self.model(torch.tensor([seq])).logits[0, -1], params)  # [V]
+            logits = self.model(torch.tensor([seq])).logits[0, -1:]  # [1, V]
+            q = probs_from_logits(process_logits(logits, params, [self.generated(seq)])[0], params)  # [V]
             x = int(q.argmax()) if params.greedy else int(sample(q, generator))
             drafts.append(x), qs.append(q), seq.append(x)
         if not drafts:
@@ -75,10 +77,16 @@ V_SMALL, N_NEW = 5, 3
 
 
 def _sequence_law(target: Target, prompt: list[int], params: SamplingParams) -> dict[tuple, float]:
-    """Enumerate P(y_1..y_N | prompt) = Π p(y_i | prompt, y_<i) with the target alone."""
+    """Enumerate P(y_1..y_N | prompt) = Π p(y_i | prompt, y_<i) with the target alone. Penalties and
+    logit_bias are applied here from their definition, position by position (y_<i generated so far)."""
     law = {}
     for ys in itertools.product(range(V_SMALL), repeat=N_NEW):
         logits = target.model(torch.tensor([prompt + list(ys)])).logits[0, len(prompt) - 1 : -1]  # [N, V]
+        for i in range(N_NEW):
+            for j in range(V_SMALL):
+                c = ys[:i].count(j)
+                logits[i, j] += dict(params.logit_bias).get(j, 0.0) - params.frequency_penalty * c - (
+                    params.presence_penalty if c else 0.0)
         p = probs_from_logits(logits, params)
         law[ys] = float(torch.prod(p[torch.arange(N_NEW), torch.tensor(ys)]))
     return law
@@ -90,7 +98,7 @@ def _spec_pvalue(target, drafter, params, n_samples=2000) -> float:
     counts = dict.fromkeys(law, 0)
     cfg = GenerationConfig(max_new_tokens=N_NEW, gamma=4, stop_on_eos=False)
     for s in range(n_samples):
-        res = generate(target, drafter, prompt, SamplingParams(params.temperature, params.top_p, params.top_k, seed=s), cfg)
+        res = generate(target, drafter, prompt, dataclasses.replace(params, seed=s), cfg)
         counts[tuple(res.token_ids)] += 1
     keys = [k for k in law if law[k] > 0]
     assert sum(counts[k] for k in law if law[k] == 0) == 0  # never emits a token the target forbids
@@ -107,6 +115,23 @@ def small_vocab_target() -> Target:
 def test_sampling_is_lossless_chi_square(small_vocab_target, params):
     drafter = ModelDrafter(tiny_llama(vocab=V_SMALL, hidden=16, layers=2, seed=2, peaked=1.0))
     assert _spec_pvalue(small_vocab_target, drafter, params) > 1e-3
+
+
+PENALISED = SamplingParams(temperature=1.0, presence_penalty=1.5, frequency_penalty=2.0, logit_bias=((0, 1.5), (3, -2.0)))
+
+
+def test_penalties_and_logit_bias_keep_sampling_lossless_chi_square(small_vocab_target):
+    """Presence/frequency penalties and logit_bias, applied to p and q row by row with each row's own
+    context (the drafts before it), keep the output law exactly the target's."""
+    drafter = ModelDrafter(tiny_llama(vocab=V_SMALL, hidden=16, layers=2, seed=2, peaked=1.0))
+    assert _spec_pvalue(small_vocab_target, drafter, PENALISED) > 1e-3
+
+
+def test_chi_square_catches_penalties_that_ignore_the_drafts(small_vocab_target, monkeypatch):
+    """The harness can fail: verification that penalises every row with the anchor's context only."""
+    monkeypatch.setattr(decode_mod, "_row_contexts", lambda generated, proposal, n: [list(generated)] * n)
+    drafter = ModelDrafter(tiny_llama(vocab=V_SMALL, hidden=16, layers=2, seed=2, peaked=1.0))
+    assert _spec_pvalue(small_vocab_target, drafter, PENALISED) < 1e-6
 
 
 def test_chi_square_catches_a_broken_verifier(small_vocab_target, monkeypatch):

@@ -9,6 +9,7 @@ import torch
 from selfdraft.config import DrafterConfig, GenerationConfig, SamplingParams
 from selfdraft.decode import generate
 from selfdraft.drafters import REGISTRY
+from selfdraft.drafters.base import Drafter, Proposal, propose_all
 from selfdraft.engine import Engine, PaddedCache, engine_throughput
 from selfdraft.scheduler import CostTable, Scheduler
 from selfdraft.target import Target
@@ -100,3 +101,112 @@ def test_engine_throughput_runs_every_prompt(target):
                             config=GenerationConfig(max_new_tokens=8, gamma=4))
     assert out.requests == len(PROMPTS) and out.output_tokens == 8 * len(PROMPTS)
     assert out.tokens_per_s > 0 and out.tau >= 1.0
+
+
+# ---------------------------------------------------------------- one bad request never fails the others
+class Exploding(Drafter):
+    """n-gram drafting that raises from its `after`-th round on (a stand-in for a request-specific bug)."""
+
+    name = "exploding"
+
+    def __init__(self, target, after: int) -> None:
+        self.inner, self.after, self.rounds = REGISTRY["ngram"](target), after, 0
+
+    def propose(self, tokens, gamma, params, generator) -> Proposal:
+        self.rounds += 1
+        if self.rounds >= self.after:
+            raise RuntimeError("drafter exploded")
+        return self.inner.propose(tokens, gamma, params, generator)
+
+
+def test_a_poisoned_request_fails_alone_and_the_others_equal_their_single_request_output(target):
+    """Three kinds of poison in one batch: sampling parameters the maths cannot honour (NaN, slipped
+    past validation after two steps: the batched DSpark draft pass and verification both raise), a
+    drafter that raises, and NaN parameters from the start (prefill). The greedy requests beside them
+    finish with exactly their single-request output; a sampled one finishes normally."""
+    make = makers(target)["dspark"]
+    cfg = GenerationConfig(max_new_tokens=24, gamma=4)
+    engine = Engine(target, max_concurrency=8)
+    nan_later = SamplingParams(temperature=0.7, seed=5)  # this request's own instance, poisoned below
+    nan_now = SamplingParams(temperature=0.7, seed=6)
+    object.__setattr__(nan_now, "temperature", float("nan"))
+    good = {engine.add_request(PROMPTS[0], make(), config=cfg): (PROMPTS[0], "dspark"),
+            engine.add_request(PROMPTS[2], REGISTRY["ngram"](target), config=cfg): (PROMPTS[2], "ngram"),
+            engine.add_request(PROMPTS[4], make(), config=cfg): (PROMPTS[4], "dspark")}
+    sampled = engine.add_request(PROMPTS[3], make(), SamplingParams(temperature=0.9, seed=3), cfg)
+    bad = [engine.add_request(PROMPTS[1], make(), nan_later, cfg),
+           engine.add_request(PROMPTS[1], Exploding(target, after=3), config=cfg),
+           engine.add_request(PROMPTS[3], make(), nan_now, cfg)]
+    errors: dict[int, Exception] = {}
+    for s in range(100):
+        if s == 2:
+            object.__setattr__(nan_later, "temperature", float("nan"))
+        for o in engine.step():
+            if o.finish_reason == "error":
+                errors[o.request_id] = o.error
+        if not engine.has_unfinished:
+            break
+    assert sorted(errors) == sorted(bad) and "exploded" in str(errors[bad[1]])
+    for rid, (prompt, kind) in good.items():
+        single = generate(target, makers(target)[kind](), prompt, SamplingParams(), cfg)
+        assert engine.results[rid].token_ids == single.token_ids, kind
+    assert engine.results[sampled].finish_reason in ("eos", "length") and engine.results[sampled].token_ids
+
+
+class Batched(Drafter):
+    """A batched drafter kind (shared batch_key) that samples one token per request from its own
+    generator; the whole batched call raises if any request's temperature is NaN."""
+
+    name = "batched"
+
+    def batch_key(self):
+        return "shared"
+
+    @staticmethod
+    def propose_many(drafters, tokens, gammas, params, generators):
+        draws = [int(torch.randint(0, 1000, (), generator=g)) for g in generators]
+        if any(p.temperature != p.temperature for p in params):
+            raise FloatingPointError("NaN temperature")
+        return [Proposal(torch.tensor([x])) for x in draws]
+
+
+def test_propose_all_isolates_a_failing_request_with_the_generator_states_it_started_from():
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0), SamplingParams(temperature=1.0)]
+    object.__setattr__(params[1], "temperature", float("nan"))
+    gens = [torch.Generator().manual_seed(s) for s in (1, 2, 3)]
+    errors: dict[int, Exception] = {}
+    out = propose_all([Batched() for _ in params], [[0]] * 3, [1] * 3, params, gens, errors)
+    assert list(errors) == [1] and isinstance(errors[1], FloatingPointError)
+    alone = [int(torch.randint(0, 1000, (), generator=torch.Generator().manual_seed(s))) for s in (1, 3)]
+    assert [int(out[0].tokens[0]), int(out[2].tokens[0])] == alone  # the draws they would make alone
+    with pytest.raises(FloatingPointError):  # without `errors`, the caller sees the failure
+        propose_all([Batched() for _ in params], [[0]] * 3, [1] * 3, params, gens)
+
+
+def test_penalties_and_logit_bias_greedy_equal_a_slow_reference(target):
+    """Greedy with presence/frequency penalties and logit_bias: the speculative loop (n-gram and the
+    batched DSpark drafter, alone and in the engine) equals plain greedy decoding of the processed
+    logits, computed here from scratch with full forwards."""
+    params = SamplingParams(presence_penalty=0.8, frequency_penalty=1.5, logit_bias=((7, 2.0), (11, -100.0)))
+    cfg = GenerationConfig(max_new_tokens=20, gamma=4)
+
+    def reference(prompt: list[int]) -> list[int]:
+        out: list[int] = []
+        for _ in range(cfg.max_new_tokens):
+            logits = target.model(torch.tensor([prompt + out])).logits[0, -1].double()
+            for j in set(out):
+                logits[j] -= 0.8 + 1.5 * out.count(j)
+            logits[7] += 2.0
+            logits[11] -= 100.0
+            out.append(int(logits.argmax()))
+        return out
+
+    expected = [reference(p) for p in PROMPTS[:3]]
+    assert expected[0] != generate(target, REGISTRY["none"](target), PROMPTS[0], SamplingParams(), cfg).token_ids
+    engine = Engine(target)
+    ids = [engine.add_request(p, makers(target)["dspark"](), params, cfg) for p in PROMPTS[:3]]
+    engine.run()
+    for i, p in enumerate(PROMPTS[:3]):
+        for kind in ("none", "ngram", "dspark"):
+            assert generate(target, makers(target)[kind](), p, params, cfg).token_ids == expected[i], kind
+        assert engine.results[ids[i]].token_ids == expected[i]

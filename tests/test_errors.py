@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import struct
 
 import pytest
 from typer.testing import CliRunner
@@ -81,3 +82,79 @@ def test_cli_reports_errors_without_traceback(args, match):
     assert "Traceback" not in res.output
     if match:
         assert match in res.output
+
+
+# ---------------------------------------------------------------- a corpus of bad files through the CLI
+def _checkpoint(tmp_path, drafter_method: str, method: str = "dflash"):
+    """A real tiny DFlash checkpoint for the saved target dir, its config.json then edited."""
+    import json
+
+    from selfdraft.checkpoint import save_checkpoint
+    from selfdraft.training.strategy import STRATEGIES
+
+    target_dir = tmp_path / "target"
+    tiny_llama().save_pretrained(target_dir)
+    target = Target.load(str(target_dir), dtype="float32")
+    cfg = DrafterConfig(method="dflash", feature_layers=(1, 2))
+    d = save_checkpoint(tmp_path / "ckpt", STRATEGIES["dflash"].build(cfg, target), cfg, target, {})
+    meta = json.loads((d / "config.json").read_text())
+    meta["method"], meta["drafter"]["method"] = method, drafter_method
+    (d / "config.json").write_text(json.dumps(meta))
+    return ["--target", str(target_dir), "--dtype", "float32", "--drafter", str(d), "-p", "hi"], d / "config.json"
+
+
+def _gguf(tmp_path, name: str, data: bytes):
+    f = tmp_path / name
+    f.write_bytes(data)
+    return ["--target", str(f), "-p", "hi"], f
+
+
+def _prompt_file(tmp_path, data: bytes):
+    f = tmp_path / "prompt.txt"
+    f.write_bytes(data)
+    return ["--prompt-file", str(f)], f
+
+
+BAD_FILES = {  # case -> (builder(tmp_path) -> (generate argv, the file the error must name), what the line says)
+    "empty gguf": (lambda t: _gguf(t, "empty.gguf", b""), "empty"),
+    "garbage gguf": (lambda t: _gguf(t, "garbage.gguf", bytes(range(256)) * 40), "not a GGUF file"),
+    "truncated gguf": (lambda t: _gguf(t, "cut.gguf", b"GGUF" + struct.pack("<IQQ", 3, 12, 30) + b"\x05\x00"),
+                       "truncated or corrupt"),
+    "non-UTF-8 prompt file": (lambda t: _prompt_file(t, "café".encode("latin-1")), "not UTF-8"),
+    "binary prompt file": (lambda t: _prompt_file(t, b"\x7fELF\x02\x01\x00\x00\x00"), "binary"),
+    "unknown method in drafter block": (lambda t: _checkpoint(t, "bogus"), "disagree"),
+    "methods disagree": (lambda t: _checkpoint(t, "dspark"), "disagree"),
+    "unknown method everywhere": (lambda t: _checkpoint(t, "bogus", "bogus"), "does not know"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FILES))
+def test_bad_files_give_one_line_naming_the_file_and_exit_2(case, tmp_path, monkeypatch):
+    monkeypatch.setenv("SELFDRAFT_CACHE", str(tmp_path / "cache"))
+    build, says = BAD_FILES[case]
+    argv, path = build(tmp_path)
+    res = CliRunner().invoke(app, ["generate", *argv])
+    lines = [x for x in res.output.splitlines() if x.strip() and not x.startswith("converting ")]
+    assert res.exit_code == 2, res.output
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in res.output, res.output
+    assert str(path) in lines[0] and says in lines[0], lines[0]
+    assert not (tmp_path / "cache" / "targets").exists() or not any(
+        p.name.endswith(".partial") for p in (tmp_path / "cache" / "targets").iterdir())
+
+
+def test_cli_temperature_too_small_for_float32_decodes_greedily_and_nan_exits_2(tmp_path):
+    import json
+
+    from tests.test_serve import char_tokenizer
+
+    tok = char_tokenizer()
+    tiny_llama(vocab=len(tok), seed=3).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    base = ["generate", "-p", "hello", "--target", str(tmp_path), "--dtype", "float32", "-n", "12", "--json"]
+    runs = {t: CliRunner().invoke(app, [*base, "--temperature", t, "--seed", "1"]) for t in ("0", "1e-40", "5e-324")}
+    assert all(r.exit_code == 0 for r in runs.values()), [r.output for r in runs.values()]
+    ids = {t: json.loads(r.output.strip().splitlines()[-1])["token_ids"] for t, r in runs.items()}
+    assert ids["1e-40"] == ids["5e-324"] == ids["0"]
+    for bad in ("nan", "inf"):
+        res = CliRunner().invoke(app, [*base, "--temperature", bad])
+        assert res.exit_code == 2 and "temperature" in res.output and "Traceback" not in res.output

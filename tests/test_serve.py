@@ -24,7 +24,7 @@ from selfdraft.decode import generate
 from selfdraft.drafters.base import Drafter, Proposal
 from selfdraft.engine import drafter_factory
 from selfdraft.scheduler import Scheduler
-from selfdraft.serve import EngineLoop, ServerMetrics, create_app
+from selfdraft.serve import MAX_BODY_BYTES, EngineLoop, GracefulServer, RequestSpec, ServerMetrics, create_app
 from selfdraft.serve.text import TextStream
 from selfdraft.target import Target
 from tests.conftest import tiny_llama
@@ -95,12 +95,12 @@ class Server:
 
 
 def start_server(target: Target, make_drafter, name: str, api_key: str | None = KEY, max_concurrency: int = 8,
-                 max_batch: int = 8, grace: float = 5.0) -> Server:
+                 max_batch: int = 8, grace: float = 5.0, max_body_bytes: int = MAX_BODY_BYTES) -> Server:
     runner = EngineLoop(target, make_drafter, name, Scheduler("fixed"), max_batch, max_concurrency, ServerMetrics(GAMMA))
-    app = create_app(runner, "tiny", api_key, gamma=GAMMA, shutdown_grace_s=grace)
+    app = create_app(runner, "tiny", api_key, gamma=GAMMA, shutdown_grace_s=grace, max_body_bytes=max_body_bytes)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=grace))
+    server = GracefulServer(uvicorn.Config(app, log_level="warning"), runner, grace)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     for _ in range(500):
@@ -385,17 +385,22 @@ def test_graceful_shutdown_finishes_in_flight_stream(slow):
     assert slow.runner.in_flight == 0
 
 
-def test_shutdown_past_the_grace_period_cancels_in_flight_requests(target):
+def sse_lines(response) -> list[str]:
+    return [line for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def test_shutdown_past_the_grace_period_ends_the_stream_with_an_error_event_and_done(target):
     s = start_server(target, lambda: SlowNone(), "slow", api_key=None, grace=0.5)
-    st = s.client().completions.create(model="tiny", prompt="hi", max_tokens=200, temperature=0, stream=True)
-    it = iter(st)
-    next(it)
-    s.server.should_exit = True
-    try:  # the connection is closed mid-stream: the client sees a truncated stream or an error
-        chunks = list(it)
-        assert not chunks or chunks[-1].choices[0].finish_reason != "length"
-    except (openai.APIError, httpx.HTTPError):
-        pass
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=30) as c, c.stream("POST", f"{s.url}/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        s.server.should_exit = True  # what SIGINT/SIGTERM does
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert json.loads(first[6:])["choices"][0]["text"] is not None
+    assert rest[-1] == "data: [DONE]"
+    err = json.loads(rest[-2][6:])["error"]
+    assert err["code"] == "shutting_down" and err["type"] == "server_error"
     s.thread.join(timeout=20)
     assert not s.thread.is_alive() and not s.runner._thread.is_alive() and s.runner.in_flight == 0
     cancelled = [x for f in text_string_to_metric_families(s.runner.metrics.render().decode()) for x in f.samples
@@ -417,19 +422,161 @@ class Boom(Drafter):
         return Proposal.empty()
 
 
-def test_engine_failure_fails_the_request_not_the_server(target):
+def test_engine_failure_fails_the_request_alone_and_tells_the_client_nothing_internal(target, caplog):
+    """A request whose drafter raises fails alone (500 / an error event then [DONE]) while requests in
+    the same batch finish with their normal output; the client gets a request id, the log the details."""
     bang = target.tokenizer.convert_tokens_to_ids("!")
-    s = start_server(target, lambda: Boom(bang), "boom", api_key=None)
+    s = start_server(target, lambda: Boom(bang), "boom", api_key=None, max_batch=8)
     try:
         c = s.client()
-        with pytest.raises(openai.InternalServerError, match="drafter exploded"):
-            c.completions.create(model="tiny", prompt="boom!", max_tokens=5)
-        with pytest.raises(openai.APIError, match="drafter exploded"):
-            list(c.completions.create(model="tiny", prompt="boom!", max_tokens=5, stream=True))
+        expected = c.completions.create(model="tiny", prompt="fine", max_tokens=40, temperature=0).choices[0].text
+        streams = [c.completions.create(model="tiny", prompt="fine", max_tokens=40, temperature=0, stream=True)
+                   for _ in range(3)]  # all in flight (headers back) before the poisoned ones arrive
+        with caplog.at_level("ERROR", logger="selfdraft.serve"):
+            with pytest.raises(openai.InternalServerError, match="request id") as e:
+                c.completions.create(model="tiny", prompt="boom!", max_tokens=5)
+            assert "exploded" not in str(e.value.body) and "RuntimeError" not in str(e.value.body)
+            with httpx.stream("POST", f"{s.url}/v1/completions", timeout=30,
+                              json={"model": "tiny", "prompt": "boom!", "max_tokens": 5, "stream": True}) as r:
+                lines = sse_lines(r)
+            assert lines[-1] == "data: [DONE]" and "exploded" not in "".join(lines)
+            assert json.loads(lines[-2][6:])["error"]["type"] == "internal_error"
+        assert [stream_text(st)[0] for st in streams] == [expected] * 3
+        rid = e.value.body["message"].split("request id ")[1].split(")")[0]
+        assert any(rid in r.getMessage() and r.exc_info and "exploded" in str(r.exc_info[1]) for r in caplog.records)
         ok = c.completions.create(model="tiny", prompt="fine", max_tokens=5, temperature=0)
         assert ok.usage.completion_tokens == 5 and s.runner.in_flight == 0
     finally:
         s.stop()
+
+
+def test_parameters_at_the_edge_of_float_range_are_served_or_rejected(srv):
+    """Temperatures too small for float32 are greedy; tiny top_p keeps the top token (= greedy);
+    values the maths cannot honour get a 400 naming the field. The server serves on afterwards."""
+    c = srv.client()
+    greedy = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0).choices[0].text
+    for kw in ({"temperature": 1e-40}, {"temperature": 5e-324}, {"temperature": 1e-30},
+               {"temperature": 1.0, "top_p": 1e-46}, {"temperature": 1.0, "top_p": 1e-300}):
+        assert c.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, **kw).choices[0].text == greedy, kw
+    for body, param in (('"temperature": NaN', "temperature"), ('"temperature": Infinity', "temperature"),
+                        ('"top_p": NaN', "top_p"), ('"presence_penalty": NaN', "presence_penalty"),
+                        ('"frequency_penalty": 2.5', "frequency_penalty"), ('"logit_bias": {"5": NaN}', "logit_bias"),
+                        ('"logit_bias": {"x": 1}', "logit_bias"), ('"logit_bias": {"99999": 1}', "logit_bias"),
+                        ('"logit_bias": {"5": 101}', "logit_bias")):
+        r = httpx.post(f"{srv.url}/v1/completions", headers={"authorization": f"Bearer {KEY}",
+                                                             "content-type": "application/json"},
+                       content=f'{{"model": "tiny", "prompt": "hi", {body}}}')
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+
+
+@pytest.mark.parametrize("field,value", [("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
+                                         ("tool_choice", "auto"), ("functions", [{"name": "f"}]), ("top_logprobs", 2),
+                                         ("logprobs", True), ("function_call", "auto")])
+def test_unsupported_output_changing_fields_get_400_naming_them(servers, field, value):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, field: value}
+    r = httpx.post(f"{servers['none'].url}/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    neutral = {**body, "logprobs": False, "tools": None, "response_format": None}
+    del neutral[field]
+    assert httpx.post(f"{servers['none'].url}/v1/chat/completions", json=neutral).status_code == 200
+
+
+def test_logit_bias_and_penalties_change_greedy_output_as_defined(srv, target):
+    c = srv.client()
+    plain = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=30, temperature=0,
+                                 extra_body={"return_token_ids": True}).choices[0].model_extra["token_ids"]
+    banned = plain[0]
+    biased = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=30, temperature=0,
+                                  logit_bias={str(banned): -100}, extra_body={"return_token_ids": True})
+    assert banned not in biased.choices[0].model_extra["token_ids"]
+    ids = target.encode_prompt(PROMPT, chat=False)
+    params = SamplingParams(presence_penalty=1.0, frequency_penalty=0.5, logit_bias=((banned, -100.0),))
+    ref = generate(target, drafter_factory("ngram", target)(), ids, params, GenerationConfig(max_new_tokens=30))
+    got = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=30, temperature=0, presence_penalty=1.0,
+                               frequency_penalty=0.5, logit_bias={str(banned): -100},
+                               extra_body={"return_token_ids": True})
+    assert got.choices[0].model_extra["token_ids"] == ref.token_ids != plain
+
+
+@pytest.mark.parametrize("where", ["prompt", "messages", "stop", "model", "key"])
+def test_lone_surrogates_get_400_and_the_connection_stays_open(servers, where):
+    s = servers["none"]
+    raw = {"prompt": '{"model": "tiny", "prompt": "a\\ud800b"}',
+           "messages": '{"model": "tiny", "messages": [{"role": "user", "content": "x\\udfff"}]}',
+           "stop": '{"model": "tiny", "prompt": "hi", "stop": ["\\ud800"]}',
+           "model": '{"model": "\\ud800", "prompt": "hi"}',
+           "key": '{"model": "tiny", "prompt": "hi", "\\ud800": 1}'}[where]
+    endpoint = "chat/completions" if where == "messages" else "completions"
+    with httpx.Client(timeout=30) as client:
+        r = client.post(f"{s.url}/v1/{endpoint}", content=raw.encode(), headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "invalid_unicode" and "surrogate" in err["message"]
+        assert r.headers.get("connection") != "close"
+        assert client.get(f"{s.url}/health").status_code == 200
+
+
+def test_openapi_lists_the_codes_actually_returned(servers):
+    doc = httpx.get(f"{servers['none'].url}/openapi.json").json()
+    text = json.dumps(doc)
+    assert "422" not in text and "HTTPValidationError" not in text
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        codes = set(doc["paths"][path]["post"]["responses"])
+        assert {"200", "400", "401", "404", "413", "429"} <= codes
+    assert doc["components"]["schemas"]["CompletionRequest"]["properties"]["model"]["enum"] == ["tiny"]
+
+
+def test_body_limit_413_and_health_stays_fast_while_a_large_prompt_is_tokenized(target):
+    """A body over the limit gets 413 at once; a large body under it is tokenized off the event loop,
+    so /health answers within 100 ms meanwhile."""
+    s = start_server(target, drafter_factory("none", target), "none", api_key=None)
+    try:
+        url = f"{s.url}/v1/completions"
+        big = {"model": "tiny", "prompt": "The quick brown fox. " * (120_000 // 21)}  # seconds of tokenizing
+        done: dict = {}
+
+        def post(body) -> None:
+            t0 = time.perf_counter()
+            r = httpx.post(url, json=body, timeout=120)
+            done.update(status=r.status_code, body=r.json(), seconds=time.perf_counter() - t0)
+
+        th = threading.Thread(target=post, args=(big,))
+        th.start()
+        lat = []
+        with httpx.Client(timeout=10) as client:
+            while th.is_alive() or not lat:
+                t0 = time.perf_counter()
+                assert client.get(f"{s.url}/health").status_code == 200
+                lat.append(time.perf_counter() - t0)
+                time.sleep(0.02)
+        th.join()
+        assert done["status"] == 400 and done["body"]["error"]["code"] == "context_length_exceeded"
+        assert done["seconds"] > 0.3 and len(lat) >= 5  # the health checks overlapped the request
+        assert sorted(lat)[len(lat) // 2] < 0.1 and max(lat) < 0.5, (done["seconds"], sorted(lat)[-5:])
+        huge = httpx.post(url, content=b'{"model": "tiny", "prompt": "' + b"x" * (2 * MAX_BODY_BYTES) + b'"}',
+                          headers={"content-type": "application/json"}, timeout=60)
+        assert huge.status_code == 413 and huge.json()["error"]["code"] == "request_too_large"
+        assert httpx.get(f"{s.url}/health").status_code == 200
+    finally:
+        s.stop()
+
+
+def test_a_cancelled_request_frees_its_slot_at_once(target):
+    """The in-flight slot is given back when the client goes, not at the engine's next step."""
+    import asyncio
+
+    runner = EngineLoop(target, lambda: SlowNone(), "slow", Scheduler("fixed"), 1, 2, ServerMetrics(GAMMA))
+    loop = asyncio.new_event_loop()  # the engine thread is not started: nothing would free a slot but cancel()
+    try:
+        spec = RequestSpec([5, 6, 7], SamplingParams(), GenerationConfig(max_new_tokens=4))
+        a, _ = runner.submit(spec, loop), runner.submit(spec, loop)
+        runner.cancel(a)
+        assert runner.in_flight == 1
+        runner.submit(spec, loop)  # admitted: no 429
+        runner.cancel(a)  # a second cancel gives nothing back twice
+        assert runner.in_flight == 2
+    finally:
+        loop.close()
 
 
 @pytest.mark.parametrize("args,match", [(["--max-concurrency", "0"], "max-concurrency"),

@@ -121,3 +121,28 @@ def test_top_k_top_p_processing_against_enumeration():
     assert pp[0, keep:].sum() == 0
     # temperature divides logits before the softmax
     torch.testing.assert_close(probs_from_logits(logits, SamplingParams(temperature=0.5)), torch.softmax(logits / 0.5, -1))
+
+
+# ---------------------------------------------------------------- numerically safe for every accepted value
+TEMPERATURES = [5e-324, 1e-300, 1e-46, 1e-45, 1e-40, 1.2e-38, 1e-30, 1e-8, 0.05, 1.0, 2.0]
+TOP_PS = [5e-324, 1e-300, 1e-46, 1e-8, 0.3, 1.0]
+
+
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+def test_probabilities_are_a_distribution_for_every_accepted_parameter(temperature):
+    """Tiny temperatures (down to the smallest double) and tiny top_p never give NaN: the result is
+    a distribution that samples; near T = 0 it is concentrated on the argmax (ties shared)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.cat([40.0 * torch.randn(3, 50, generator=g),  # large logits: x / T overflows for tiny T
+                        torch.tensor([[5.0, 5.0] + [0.0] * 48])])  # an exact tie at the top
+    for top_p in TOP_PS:
+        for top_k in (0, 1, 7):
+            params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+            p = probs_from_logits(logits, params)
+            assert torch.isfinite(p).all() and (p >= 0).all(), (top_p, top_k)
+            assert torch.allclose(p.sum(-1), torch.ones(4)), (top_p, top_k)
+            x = sample(p, g)
+            assert (p.gather(-1, x[:, None]) > 0).all()
+            if temperature <= 1e-30 or top_p <= 1e-8 or top_k == 1:
+                assert (p[:3].argmax(-1) == logits[:3].argmax(-1)).all() and (p[:3].max(-1).values == 1).all()
+                assert p[3, 2:].sum() == 0  # the tie keeps all the mass

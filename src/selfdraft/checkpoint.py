@@ -15,6 +15,7 @@ import datetime
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -54,14 +55,35 @@ def _siblings(final: Path) -> tuple[Path, Path]:
     return final.with_name(f".{final.name}.tmp"), final.with_name(f".{final.name}.old")
 
 
+def _owner(tmp: Path) -> Path:
+    """`.NAME.tmp.owner`: "pid host" of the process writing `.NAME.tmp` (written before it exists)."""
+    return tmp.with_name(tmp.name + ".owner")
+
+
+def _writer_alive(tmp: Path) -> bool:
+    """Whether the process that is writing `tmp` still runs (on this host); no owner file = dead."""
+    try:
+        pid, host = _owner(tmp).read_text().split()
+        if host != socket.gethostname():
+            return True  # another machine's process (shared disk): not ours to judge
+        os.kill(int(pid), 0)
+    except (OSError, ValueError):  # no/odd owner file, or no such process
+        return False
+    return True
+
+
 def recover_interrupted_save(final: str | Path) -> None:
     """Finish or undo a commit that a kill interrupted (see `atomic_dir`'s steps).
 
     After step 3 but before step 4, `final` is missing and `.old` holds the last complete checkpoint:
-    move it back. After step 4, `.old` is a leftover: delete it.
+    move it back. After step 4, `.old` is a leftover: delete it. A `.tmp` whose writer is gone (a
+    kill during step 1, possibly hundreds of MB) is deleted; one still being written is left alone.
     """
     final = Path(final).resolve()
-    _, old = _siblings(final)
+    tmp, old = _siblings(final)
+    if tmp.exists() and not _writer_alive(tmp):
+        shutil.rmtree(tmp, ignore_errors=True)
+        _owner(tmp).unlink(missing_ok=True)
     if old.exists():
         if final.exists():
             shutil.rmtree(old)
@@ -95,13 +117,20 @@ def atomic_dir(final: str | Path) -> Iterator[Path]:
     tmp, old = _siblings(final)
     if tmp.exists():  # a save that was killed half-way
         shutil.rmtree(tmp)
+    _owner(tmp).write_text(f"{os.getpid()} {socket.gethostname()}")
     tmp.mkdir()
-    yield tmp  # 1.
+    try:
+        yield tmp  # 1.
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing of `final` changed; leave no half-written copy
+        _owner(tmp).unlink(missing_ok=True)
+        raise
     for path in [*sorted(tmp.rglob("*")), tmp]:
         _fsync(path)  # 2.
     if final.exists():
         os.replace(final, old)  # 3.
     os.replace(tmp, final)  # 4.
+    _owner(tmp).unlink(missing_ok=True)
     _fsync(final.parent)  # make both renames durable
     if old.exists():
         shutil.rmtree(old)  # 5.
@@ -235,13 +264,16 @@ def load_module(dir: str | Path, target: "Target", dtype: torch.dtype | None = N
     check_target(meta, target, dir)
     if meta["method"] not in STRATEGIES:
         raise CheckpointError(
-            f"{dir} holds a {meta['method']!r} drafter, which this selfdraft does not know; "
+            f"{dir / CONFIG_FILE}: a {meta['method']!r} drafter, which this selfdraft does not know; "
             f"known methods: {sorted(STRATEGIES)}"
         )
     try:
         cfg = from_dict(DrafterConfig, meta["drafter"])
-    except (ConfigError, TypeError) as e:
+    except (ConfigError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{dir / CONFIG_FILE}: invalid drafter config: {e}") from e
+    if cfg.method != meta["method"]:  # a hand-edited or mixed-up file: which one would the weights fit?
+        raise CheckpointError(f"{dir / CONFIG_FILE}: its method {meta['method']!r} and its drafter block's method "
+                              f"{cfg.method!r} disagree; fix the file or retrain")
     weights = dir / WEIGHTS_FILE
     if not weights.exists():
         raise CheckpointError(f"{weights} is missing: the checkpoint is incomplete; retrain or restore it")

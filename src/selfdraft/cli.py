@@ -106,7 +106,7 @@ def generate(
     try:
         if (prompt is None) == (prompt_file is None):
             raise ConfigError("give exactly one of --prompt or --prompt-file")
-        text = prompt if prompt is not None else prompt_file.read_text()
+        text = prompt if prompt is not None else read_prompt_file(prompt_file)
         if not text.strip():
             raise ConfigError(f"the prompt is empty ({'--prompt' if prompt is not None else prompt_file}): give the text to answer")
         _check_gamma(gamma)
@@ -124,6 +124,19 @@ def generate(
     else:
         print(f"\n\n[{len(res.token_ids)} tokens, {res.elapsed_s:.2f}s, {res.tokens_per_s:.1f} tok/s, "
               f"τ={res.tau:.2f} over {len(res.rounds)} rounds, drafter={drafter}]", file=sys.stderr)
+
+
+def read_prompt_file(path: Path) -> str:
+    """A prompt file's text; a binary or non-UTF-8 file is a ConfigError naming it."""
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+                          "save the prompt as UTF-8") from None
+    if "\x00" in text:
+        raise ConfigError(f"{path}: holds NUL bytes, so it is a binary file, not a prompt")
+    return text
 
 
 def result_json(target, res) -> dict:
@@ -741,6 +754,7 @@ def serve_cmd(
     model_name: Optional[str] = typer.Option(None, "--model-name", help="the `model` clients send (default: the target's name)"),
     gamma: int = typer.Option(7, "--gamma", help="draft tokens per round (γ)"),
     shutdown_grace: float = typer.Option(10.0, "--shutdown-grace", help="seconds in-flight requests get to finish on SIGINT/SIGTERM"),
+    max_body_size: int = typer.Option(1 << 20, "--max-body-size", help="largest request body in bytes (larger: 413)"),
     threads: int = ThreadsOpt,
     dtype: Optional[str] = EngineDtypeOpt,
     backend: str = BackendOpt,
@@ -757,8 +771,8 @@ def serve_cmd(
 
     _set_threads(threads)
     try:
-        if max_concurrency < 1 or (max_batch is not None and max_batch < 1):
-            raise ConfigError("--max-concurrency and --max-batch must be >= 1")
+        if max_concurrency < 1 or (max_batch is not None and max_batch < 1) or max_body_size < 1:
+            raise ConfigError("--max-concurrency, --max-batch and --max-body-size must be >= 1")
         _check_gamma(gamma)
         tgt = _load_target(target, dtype, backend, weights, device)
         sched = Scheduler(scheduler, threshold=threshold,
@@ -771,8 +785,8 @@ def serve_cmd(
         _fail(str(e))
     print(f"serving {name!r} with drafter {runner.drafter_name} ({drafter}), scheduler {scheduler}, on "
           f"http://{host}:{port}/v1{' (API key required)' if api_key else ''}", file=sys.stderr)
-    run_server(create_app(runner, name, api_key, gamma=gamma, shutdown_grace_s=shutdown_grace), host, port,
-               shutdown_grace, log_level)
+    run_server(create_app(runner, name, api_key, gamma=gamma, shutdown_grace_s=shutdown_grace,
+                          max_body_bytes=max_body_size), host, port, shutdown_grace, log_level)
 
 
 if __name__ == "__main__":

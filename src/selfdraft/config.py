@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -30,29 +31,57 @@ EMBEDDED_TARGET = "smollm2-135m-instruct"
 DEFAULT_THREADS = 1
 
 
+# Temperatures below float32's smallest normal number cannot take part in float32 arithmetic (they
+# round towards 0 and 0 / 0 is NaN): they are greedy, the T -> 0 limit of sampling.
+MIN_SAMPLING_TEMPERATURE = 1.1754943508222875e-38
+MAX_PENALTY = 2.0  # presence / frequency penalty range [-2, 2] (OpenAI's)
+MAX_LOGIT_BIAS = 100.0  # logit_bias values in [-100, 100] (OpenAI's)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How both p (target) and q (draft) are processed before verification (docs/verification.md#sampling-transforms).
 
     temperature == 0 means greedy. top_k == 0 and top_p == 1 disable those filters.
+    presence_penalty / frequency_penalty / logit_bias are logits processors (OpenAI's definitions):
+    logit[j] += logit_bias[j] - frequency_penalty * c[j] - presence_penalty * (c[j] > 0), where c[j]
+    counts token j among the tokens generated before the position (the prompt does not count).
+    They apply to p and q alike, at every verified position with that position's own context.
     """
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, ids unique
 
     def __post_init__(self) -> None:
-        if not (self.temperature >= 0.0):
-            raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
+            raise ConfigError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ConfigError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise ConfigError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {getattr(self, name)}")
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
+        ids = [t for t, _ in self.logit_bias]
+        if len(set(ids)) != len(ids) or any(t < 0 for t in ids):
+            raise ConfigError("logit_bias takes each token id (>= 0) at most once")
+        if any(not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for _, b in self.logit_bias):
+            raise ConfigError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_SAMPLING_TEMPERATURE
+
+    @property
+    def has_processors(self) -> bool:
+        """Whether logits depend on more than the model (bias or penalties)."""
+        return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclass(frozen=True)

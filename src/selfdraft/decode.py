@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 from selfdraft.config import GenerationConfig, SamplingParams
 from selfdraft.drafters.base import Drafter, Proposal
-from selfdraft.sampling import probs_from_logits
+from selfdraft.sampling import block_contexts, probs_from_logits, process_logits
 from selfdraft.target import Target, TargetError, TargetStep
 from selfdraft.tree import commit_path, depths, tree_inputs
 from selfdraft.verify import Verification, verify_chain, verify_greedy, verify_tree
@@ -61,15 +61,31 @@ class GenerationResult:
         return counts
 
 
-def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, generator) -> Verification:
+def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, generator,
+           generated: Sequence[int] = ()) -> Verification:
     """logits: [γ'+1, V] target logits at [anchor, drafts]. Dispatches tree vs greedy vs rejection sampling.
-    Runs on the CPU (a no-op there): the request's generator is a CPU one, whatever the target's device."""
+
+    Runs on the CPU (a no-op there): the request's generator is a CPU one, whatever the target's device.
+    generated: the request's generated tokens so far, anchor included (what penalties count)."""
     logits, proposal = logits.cpu(), proposal.cpu()
+    if params.has_processors:  # each row with its own context: the drafts before it
+        logits = process_logits(logits, params, _row_contexts(generated, proposal, logits.shape[0]))
     if proposal.parents is not None:  # a draft tree: the sibling rule (greedy = one-hot p)
         return verify_tree(probs_from_logits(logits, params), proposal.tokens, proposal.parents, generator)
     if params.greedy:
         return verify_greedy(logits, proposal.tokens)
     return verify_chain(probs_from_logits(logits, params), proposal.tokens, proposal.q, generator)
+
+
+def _row_contexts(generated: Sequence[int], proposal: Proposal, n: int) -> list[list[int]]:
+    """Generated tokens before each verified row: a chain's row i follows drafts[:i]; a tree's node
+    row follows its ancestors' tokens and its own."""
+    if proposal.parents is None:
+        return block_contexts(generated, proposal.tokens.tolist(), n)
+    toks, parents, rows = proposal.tokens.tolist(), proposal.parents.tolist(), [list(generated)]
+    for j in range(n - 1):
+        rows.append(rows[parents[j] + 1] + [toks[j]])  # parents[j] < j: its row is built already
+    return rows
 
 
 def generate(
@@ -97,8 +113,9 @@ def generate(
     # 1. Prefill: the cache holds every committed token except the last (the next anchor).
     cache = target.new_cache()
     step = target.forward(torch.tensor([prompt_ids]), cache, layers, last_only=True)
-    first = verify(step.logits[0, -1:], Proposal.empty(), params, gen).next_token
+    first = verify(step.logits[0, -1:], Proposal.empty(), params, gen, ()).next_token
     drafter.begin(list(prompt_ids), step)
+    drafter.prompt_len = P
     out = [first]
     res.prefill_s = time.perf_counter() - t_start
     if on_tokens:
@@ -119,7 +136,7 @@ def generate(
             tree = tree_inputs(proposal.parents, past, target.model.dtype)
             step = target.forward(block, cache, layers, tree.position_ids, tree.attention_mask)
         # 4. Verify: accepted drafts + one target token.
-        v = verify(step.logits[0], proposal, params, gen)
+        v = verify(step.logits[0], proposal, params, gen, out)
         # 5. Commit (stop at EOS) and 6. roll the cache back to the committed length.
         new = v.tokens
         if config.stop_on_eos:

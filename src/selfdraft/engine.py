@@ -41,8 +41,9 @@ class StepOutput:
     request_id: int
     new_tokens: list[int]  # tokens committed for this request in this step (may be empty)
     finished: bool
-    finish_reason: str | None = None  # "eos" | "length" when finished
+    finish_reason: str | None = None  # "eos" | "length" | "error" when finished
     round: RoundStats | None = None  # this step's speculative round (None for the prefill token)
+    error: Exception | None = None  # why this request failed (finish_reason "error"); the others go on
 
 
 class PaddedCache:
@@ -184,12 +185,22 @@ class Engine:
         # 1. Every request drafts at most what still fits under max_new_tokens (one slot for the bonus).
         t0 = time.perf_counter()
         budgets = [min(q.config.gamma, q.config.max_new_tokens - len(q.out) - 1) for q in reqs]
+        errors: dict[int, Exception] = {}
         proposals = propose_all(
             [q.drafter for q in reqs], [q.prompt + q.out for q in reqs], budgets,
-            [q.params for q in reqs], [q.generator for q in reqs],
+            [q.params for q in reqs], [q.generator for q in reqs], errors,
         )
-        if any(p.parents is not None for p in proposals):
-            raise TargetError("a drafter drafts a tree; the batched engine verifies chains (use decode.generate)")
+        for r, p in enumerate(proposals):
+            if p.parents is not None and r not in errors:
+                errors[r] = TargetError("a drafter drafts a tree; the batched engine verifies chains (use decode.generate)")
+        if errors:  # those requests fail alone; the others go on as if they had never been there
+            keep = [r for r in range(len(reqs)) if r not in errors]
+            outputs += [self._fail(reqs[r], errors[r]) for r in sorted(errors)]
+            self.active = [reqs[r] for r in keep]
+            self.kv.keep_rows(keep)
+            if not self.active:
+                return outputs
+            reqs, budgets, proposals = self.active, [budgets[r] for r in keep], [proposals[r] for r in keep]
         proposals = [p.truncate(n).cpu() for p, n in zip(proposals, budgets)]
         # 2. The scheduler picks ℓ_r from the confidences, SPS and the drafting time (an EMA of past steps).
         ells = self.scheduler.lengths(proposals, overhead_s=self._draft_s)
@@ -203,15 +214,19 @@ class Engine:
         keep_slots = torch.zeros(len(reqs), step.logits.shape[1], dtype=torch.bool)
         alive = []
         for r, (q, p) in enumerate(zip(reqs, proposals)):
-            v = verify(step.logits[r, : ells[r] + 1], p, q.params, q.generator)
-            new = v.tokens
-            if q.config.stop_on_eos:
-                eos_at = next((i for i, t in enumerate(new) if t in self.target.eos_ids), None)
-                new = new if eos_at is None else new[: eos_at + 1]
+            try:  # a request whose verification fails (e.g. its parameters) fails alone
+                v = verify(step.logits[r, : ells[r] + 1], p, q.params, q.generator, q.out)
+                new = v.tokens
+                if q.config.stop_on_eos:
+                    eos_at = next((i for i, t in enumerate(new) if t in self.target.eos_ids), None)
+                    new = new if eos_at is None else new[: eos_at + 1]
+                # 5. The drafter sees the target's states at the newly committed positions.
+                q.drafter.observe(v, _row_step(step, r, v.num_accepted + 1, layers, q.drafter.feature_layers))
+            except Exception as e:  # noqa: BLE001  (reported in its StepOutput)
+                outputs.append(self._fail(q, e))
+                continue
             q.out.extend(new)
             keep_slots[r, : v.num_accepted + 1] = True  # the old anchor + accepted drafts
-            # 5. The drafter sees the target's states at the newly committed positions.
-            q.drafter.observe(v, _row_step(step, r, v.num_accepted + 1, layers, q.drafter.feature_layers))
             stats = RoundStats(len(p.tokens), v.num_accepted, (t1 - t0) / len(reqs), verify_s)
             q.result.rounds.append(stats)
             done = q.finished(self.target)
@@ -253,9 +268,14 @@ class Engine:
             q = self.pending.pop(0)
             q.t_start = time.perf_counter()
             row = self.target.new_cache(dynamic=True)
-            step = self.target.forward(torch.tensor([q.prompt]), row, q.drafter.feature_layers, last_only=True)
-            q.out.append(verify(step.logits[0, -1:], Proposal.empty(), q.params, q.generator).next_token)
-            q.drafter.begin(list(q.prompt), step)
+            try:  # a request whose prefill fails (e.g. its parameters) fails alone
+                step = self.target.forward(torch.tensor([q.prompt]), row, q.drafter.feature_layers, last_only=True)
+                q.out.append(verify(step.logits[0, -1:], Proposal.empty(), q.params, q.generator, ()).next_token)
+                q.drafter.begin(list(q.prompt), step)
+                q.drafter.prompt_len = len(q.prompt)
+            except Exception as e:  # noqa: BLE001  (reported in its StepOutput)
+                outputs.append(self._fail(q, e))
+                continue
             q.result.prefill_s = time.perf_counter() - q.t_start
             done = q.finished(self.target)
             outputs.append(StepOutput(q.id, [q.out[0]], done, q.result.finish_reason if done else None))
@@ -265,6 +285,11 @@ class Engine:
                 self.active.append(q)
                 self.kv.add_row(row)
         return outputs
+
+    def _fail(self, q: _Request, e: Exception) -> StepOutput:
+        """End request q with finish reason "error" (the caller removes it from the batch)."""
+        self._finish(q, "error")
+        return StepOutput(q.id, [], True, "error", error=e)
 
     def _finish(self, q: _Request, reason: str) -> None:
         q.result.token_ids, q.result.finish_reason = q.out, reason

@@ -1,6 +1,8 @@
-"""logits -> probabilities (temperature, top-k, top-p), applied identically to p and q."""
+"""logits -> probabilities (logits processors, temperature, top-k, top-p), applied identically to p and q."""
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
@@ -16,7 +18,9 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
+    # Shift the max to 0 before dividing: every scaled logit is then <= 0 and a tiny temperature
+    # sends the others to -inf (probability 0) instead of the max to inf (inf - inf = NaN in softmax).
+    logits = (logits - logits.amax(-1, keepdim=True)) / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -25,10 +29,52 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (the token crossing it stays in)
         drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        drop[..., 0] = False  # the most likely token always stays (top_p below float32's resolution)
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def logit_adjustment(params: SamplingParams, vocab_size: int, generated: Sequence[Sequence[int]],
+                     device: torch.device | str = "cpu") -> torch.Tensor | None:
+    """The additive logits processors of `params` at n positions -> [n, V] float32 (None if none).
+
+    generated[i]: the tokens generated before position i (after the prompt; for a verified block
+    that is the committed output followed by the drafts before row i). Penalties follow OpenAI's
+    definition: - frequency_penalty * count - presence_penalty * (count > 0); logit_bias adds.
+    """
+    if not params.has_processors:
+        return None
+    adj = torch.zeros(len(generated), vocab_size, device=device)
+    for t, b in params.logit_bias:
+        if t < vocab_size:
+            adj[:, t] += b
+    if params.presence_penalty or params.frequency_penalty:
+        for i, ids in enumerate(generated):
+            if len(ids):
+                c = torch.bincount(torch.as_tensor(list(ids), dtype=torch.long), minlength=vocab_size)[:vocab_size]
+                adj[i] -= params.frequency_penalty * c.to(adj) + params.presence_penalty * (c > 0).to(adj)
+    return adj
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams, generated: Sequence[Sequence[int]],
+                   vocab: torch.Tensor | None = None, vocab_size: int | None = None) -> torch.Tensor:
+    """[n, V'] logits + the processors' adjustment at n positions (see `logit_adjustment`).
+
+    vocab: [V'] target ids when the logits cover only a draft vocabulary (then vocab_size = V)."""
+    V = logits.shape[-1] if vocab is None else vocab_size
+    adj = logit_adjustment(params, V, generated, logits.device)
+    if adj is None:
+        return logits
+    return logits.float() + (adj if vocab is None else adj[:, vocab])
+
+
+def block_contexts(generated: Sequence[int], drafts: Sequence[int], n: int) -> list[list[int]]:
+    """The generated tokens before each of n consecutive positions whose inputs are drafts:
+    row i sees generated + drafts[:i] (the rows of a verified chain or a drafted block)."""
+    drafts = [int(x) for x in drafts]
+    return [list(generated) + drafts[:i] for i in range(n)]
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -364,10 +364,19 @@ def _converted_gguf_dir(gguf: Path, cache_name: str | None = None) -> Path:
         return out
     if importlib.util.find_spec("gguf") is None:
         raise TargetError(f"{gguf} is a GGUF file: reading it needs the `gguf` package (pip install gguf)")
+    with open(gguf, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        what = "empty" if stat.st_size == 0 else "not a GGUF file (it does not start with the GGUF magic bytes)"
+        raise TargetError(f"{gguf}: {what}")
     print(f"converting {gguf.name} to safetensors in {out} (once, ~20 s)...", flush=True)
     t0 = time.time()
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as e:  # the GGUF reader fails in many ways (struct, numpy, KeyError) on a damaged file
+        reason = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        raise TargetError(f"{gguf}: unreadable GGUF file, truncated or corrupt ({reason})") from e
     model.hf_quantizer = None  # save_pretrained refuses GGUF-quantised models otherwise
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config

@@ -57,6 +57,11 @@ class Drafter:
 
     name: str = "base"
     feature_layers: tuple[int, ...] = ()  # target layers whose hidden states this drafter reads
+    prompt_len: int = 0  # set by the decoding loop after begin(): penalties count tokens[prompt_len:]
+
+    def generated(self, tokens: list[int]) -> list[int]:
+        """The generated part of `tokens` (prompt + output): what presence/frequency penalties count."""
+        return tokens[self.prompt_len :]
 
     def begin(self, prompt_ids: list[int], step: "TargetStep") -> None:
         """After prefill: step holds the features of every prompt position ([1, P, n_feat, H])."""
@@ -83,20 +88,47 @@ class Drafter:
 
 def propose_all(
     drafters: list[Drafter], tokens: list[list[int]], gammas: list[int], params: list[SamplingParams],
-    generators: list[torch.Generator | None],
+    generators: list[torch.Generator | None], errors: dict[int, Exception] | None = None,
 ) -> list[Proposal]:
-    """Every request's proposal, drafters sharing a `batch_key` in one batched call each."""
+    """Every request's proposal, drafters sharing a `batch_key` in one batched call each.
+
+    With `errors` given, a failing call does not raise: a batched group that fails is retried one
+    request at a time from the generator states it started with (batched drafters keep no state in
+    propose, so the retry draws what the request would have drawn), and a request whose own call
+    fails gets errors[r] and an empty proposal. One request's bad input never fails the others.
+    """
     groups: dict[object, list[int]] = {}
     for r, d in enumerate(drafters):
         key = d.batch_key()
         groups.setdefault(("alone", r) if key is None else key, []).append(r)
     out: list[Proposal] = [Proposal.empty()] * len(drafters)
-    for idx in groups.values():
+
+    def call(idx: list[int]) -> None:
         pick = lambda xs: [xs[r] for r in idx]  # noqa: E731
         for r, p in zip(idx, type(drafters[idx[0]]).propose_many(
             pick(drafters), pick(tokens), pick(gammas), pick(params), pick(generators)
         )):
             out[r] = p
+
+    for idx in groups.values():
+        if errors is None:
+            call(idx)
+            continue
+        states = {r: generators[r].get_state() for r in idx if generators[r] is not None}
+        try:
+            call(idx)
+            continue
+        except Exception as e:  # noqa: BLE001  (isolated below, reported through `errors`)
+            if len(idx) == 1:
+                errors[idx[0]] = e
+                continue
+        for r in idx:
+            if r in states:
+                generators[r].set_state(states[r])
+            try:
+                call([r])
+            except Exception as e:  # noqa: BLE001
+                errors[r] = e
     return out
 
 

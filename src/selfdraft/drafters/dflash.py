@@ -23,7 +23,7 @@ from torch import nn
 from selfdraft.config import ConfigError, DrafterConfig, SamplingParams
 from selfdraft.drafters.base import Proposal, TrainedDrafter
 from selfdraft.drafters.layers import KV, InjectedDecoderLayer, LayerShape, RMSNorm, Rotary
-from selfdraft.sampling import probs_from_logits, sample
+from selfdraft.sampling import block_contexts, probs_from_logits, process_logits, sample
 from selfdraft.target import Target, TargetStep
 from selfdraft.training.masks import block_attention_mask, block_positions, sample_anchors
 from selfdraft.training.objectives import (
@@ -396,21 +396,37 @@ class DFlashDrafter(TrainedDrafter):
         #    positions past a request's own γ_r are filled greedily and cut, drawing no randomness.
 
         all_greedy = all(params[r].greedy for r in live)
+        # Logits processors (penalties, logit_bias) see each request's generated tokens plus its drafts so far.
+        shown = {i: drafters[r].generated(tokens[r]) for i, r in enumerate(live) if params[r].has_processors}
 
         def pick(k: int, logits: torch.Tensor) -> torch.Tensor:  # [R', V] -> [R']
+            if shown:
+                logits = logits.clone()
+                for i, seen in shown.items():
+                    logits[i] = process_logits(logits[i : i + 1], params[live[i]], [seen], vocab, target.vocab_size)[0]
             if all_greedy:  # the common case: one batched argmax
-                return logits.argmax(-1)
-            return torch.stack([
-                logits[i].argmax() if params[r].greedy or k >= g[i]
-                else sample(probs_from_logits(logits[i], params[r]), generators[r])
-                for i, r in enumerate(live)
-            ])
+                x = logits.argmax(-1)
+            else:
+                x = torch.stack([
+                    logits[i].argmax() if params[r].greedy or k >= g[i]
+                    else sample(probs_from_logits(logits[i], params[r]), generators[r])
+                    for i, r in enumerate(live)
+                ])
+            for i, seen in shown.items():
+                seen.append(int(x[i]) if vocab is None else int(vocab[x[i]]))
+            return x
 
         x0 = torch.tensor([tokens[r][-1] for r in live], device=h.device)
         block = model.decode_blocks(h, U, x0, pick, vocab)
         # 3. q_k is exactly what x_k was sampled from (one-hot when greedy: q = None), over all V.
         for i, r in enumerate(live):
-            q = None if params[r].greedy else probs_from_logits(block.logits[i, : g[i]], params[r])
+            q = None
+            if not params[r].greedy:
+                logits = block.logits[i, : g[i]]
+                if i in shown:
+                    ctx = block_contexts(drafters[r].generated(tokens[r]), block.tokens[i, : g[i]].tolist(), g[i])
+                    logits = process_logits(logits, params[r], ctx, vocab, target.vocab_size)
+                q = probs_from_logits(logits, params[r])
             if q is not None and vocab is not None:
                 q = q.new_zeros(g[i], target.vocab_size).index_copy_(1, vocab, q)
             c = None if block.confidences is None else block.confidences[i, : g[i]]

@@ -25,7 +25,7 @@ from torch import nn
 from selfdraft.config import ConfigError, DrafterConfig, SamplingParams
 from selfdraft.drafters.base import Proposal, TrainedDrafter
 from selfdraft.drafters.layers import KV, MLP, InjectedAttention, LayerShape, RMSNorm, Rotary
-from selfdraft.sampling import probs_from_logits, sample
+from selfdraft.sampling import probs_from_logits, process_logits, sample
 from selfdraft.target import Target, TargetStep
 from selfdraft.training.masks import ttt_attention_mask
 from selfdraft.training.strategy import Batch, LossOutput, Strategy, register_strategy
@@ -272,8 +272,10 @@ class Eagle3Drafter(TrainedDrafter):
             return self.build_tree(h, tokens[-1], min(gamma, self.cfg.tree_depth))
         # 2. Chain: γ head steps, each fed the previous output and the previous draft.
         drafts, qs, kv = [], [], self.ctx
+        seen = self.generated(tokens)
         for k in range(gamma):
             logits = self._to_target(self.model.draft_logits(h))  # [V]
+            logits = process_logits(logits[None], params, [seen + drafts])[0]  # penalties, logit_bias (if any)
             q = probs_from_logits(logits, params)
             x = int(q.argmax()) if params.greedy else int(sample(q, generator))
             drafts.append(x), qs.append(q)

@@ -25,7 +25,7 @@ from selfdraft.config import ConfigError, DrafterConfig, SamplingParams
 from selfdraft.drafters.base import Proposal, TrainedDrafter
 from selfdraft.drafters.dflash import lm_logits
 from selfdraft.drafters.layers import KV, InjectedDecoderLayer, LayerShape, RMSNorm, Rotary
-from selfdraft.sampling import probs_from_logits, sample
+from selfdraft.sampling import probs_from_logits, process_logits, sample
 from selfdraft.target import Target, TargetStep
 from selfdraft.training.objectives import accuracy_at_k
 from selfdraft.training.strategy import Batch, LossOutput, Strategy, register_strategy
@@ -196,7 +196,9 @@ class MTPDrafter(TrainedDrafter):
                 h_in = self.model.handoff(d - 1, torch.stack([self._hidden(d - 1, i, prov) for i in slots]))
                 ctx = self.kv.get(d, self.model.empty_kv(1, self.h0.device))
                 prov[d] = (slots.start, self._run(d, slots, y, h_in, ctx)[0])
-            q = probs_from_logits(self.model.logits(self.target, d, self._hidden(d, n - 1, prov)), params)
+            logits = self.model.logits(self.target, d, self._hidden(d, n - 1, prov))  # [V]
+            logits = process_logits(logits[None], params, [self.generated(y)])[0]  # penalties, logit_bias (if any)
+            q = probs_from_logits(logits, params)
             y.append(int(q.argmax()) if params.greedy else int(sample(q, generator)))
             qs.append(q)
         drafts = torch.tensor(y[n + 1 :], dtype=torch.long)

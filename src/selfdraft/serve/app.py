@@ -1,13 +1,15 @@
 """The OpenAI-compatible HTTP API over an already-running `EngineLoop` (no model loading here).
 
 POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent events),
-GET /v1/models, GET /health, GET /metrics. Every error is an OpenAI error object with a 4xx/5xx code.
+GET /v1/models, GET /health, GET /metrics. Every error is an OpenAI error object with a 4xx/5xx code;
+the text of an internal exception never reaches a client (it is logged with the request id).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import time
 import uuid
@@ -16,27 +18,45 @@ from typing import AsyncIterator
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from selfdraft.serve.engine_loop import Delta, EngineLoop, Handle, Overloaded, RequestSpec, ShuttingDown
 from selfdraft.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    ErrorBody,
     OpenAIError,
     build_spec,
     chat_prompt_ids,
+    check_unsupported,
     completion_prompt_ids,
     validation_error,
 )
 
+log = logging.getLogger("selfdraft.serve")
 DISCONNECT_POLL_S = 0.5  # non-streamed requests: how often to check whether the client is still there
+MAX_BODY_BYTES = 1 << 20  # default request-body limit (413 above it): ~100x the largest prompt that fits SmolLM2's context
+ERROR_CODES = (400, 401, 404, 413, 429, 503)  # what the API returns besides 200 (and 500 for a bug)
+ERROR_RESPONSES: dict[int | str, dict] = {
+    200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+          "description": "the completion (JSON), or with stream: true server-sent events ending in data: [DONE]"},
+    400: {"model": ErrorBody, "description": "invalid request (parameters, prompt, unsupported field)"},
+    401: {"model": ErrorBody, "description": "missing or wrong API key (with --api-key)"},
+    404: {"model": ErrorBody, "description": "unknown model"},
+    413: {"model": ErrorBody, "description": "request body above the size limit"},
+    429: {"model": ErrorBody, "description": "too many requests in flight"},
+    503: {"model": ErrorBody, "description": "the server is shutting down"},
+}
 
 
 def create_app(runner: EngineLoop, model_name: str, api_key: str | None = None, gamma: int = 7,
-               shutdown_grace_s: float = 10.0) -> FastAPI:
+               shutdown_grace_s: float = 10.0, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI app. Its lifespan starts the engine thread and, on shutdown, stops admitting,
-    lets in-flight requests finish for up to shutdown_grace_s, cancels the rest and joins the thread."""
+    lets in-flight requests finish for up to shutdown_grace_s, cancels the rest and joins the thread
+    (`GracefulServer` starts that drain when the server begins to stop, so streams cut by the grace
+    period still end with an error event and [DONE])."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -50,10 +70,10 @@ def create_app(runner: EngineLoop, model_name: str, api_key: str | None = None, 
     metrics = runner.metrics
 
     # ------------------------------------------------------------ errors: always OpenAI objects
-    def error_response(e: OpenAIError) -> JSONResponse:
-        if e.status in (400, 401, 404, 429, 503):
+    def error_response(e: OpenAIError, headers: dict | None = None) -> JSONResponse:
+        if e.status in ERROR_CODES:
             metrics.rejected.labels(str(e.status)).inc()
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, e: OpenAIError) -> JSONResponse:
@@ -66,11 +86,17 @@ def create_app(runner: EngineLoop, model_name: str, api_key: str | None = None, 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return error_response(OpenAIError(e.status_code, str(e.detail), kind))
+        if e.status_code == 413:
+            return error_response(too_large)
+        return error_response(OpenAIError(e.status_code, str(e.detail), kind), e.headers)  # e.g. 405's Allow
 
     @app.exception_handler(Exception)
-    async def _internal_error(_: Request, e: Exception) -> JSONResponse:
-        return error_response(OpenAIError(500, f"internal error: {type(e).__name__}: {e}", "internal_error"))
+    async def _internal_error(request: Request, e: Exception) -> JSONResponse:  # a bug: log it, say nothing
+        return error_response(internal(f"req-{uuid.uuid4().hex}", request.url.path, e))
+
+    def internal(rid: str, what: str, e: BaseException) -> OpenAIError:
+        log.error("request %s failed (%s)", rid, what, exc_info=e)
+        return OpenAIError(500, f"internal error (request id {rid}); the server log has the details", "internal_error")
 
     async def authorize(request: Request) -> None:
         if api_key is None:
@@ -93,28 +119,74 @@ def create_app(runner: EngineLoop, model_name: str, api_key: str | None = None, 
         except ShuttingDown as e:
             raise OpenAIError(503, str(e), "server_error", None, "shutting_down") from e
 
+    too_large = OpenAIError(413, f"the request body exceeds this server's limit of {max_body_bytes} bytes",
+                            "invalid_request_error", None, "request_too_large")
+
+    class BodyLimit:
+        """413 (an OpenAI error object) for a body over max_body_bytes: at once when Content-Length
+        says so, else as soon as the streamed body passes the limit (the handler's error path)."""
+
+        def __init__(self, inner) -> None:
+            self.inner = inner
+
+        async def __call__(self, scope, receive, send) -> None:
+            if scope["type"] != "http":
+                return await self.inner(scope, receive, send)
+            declared = dict(scope["headers"]).get(b"content-length", b"")
+            if declared.isdigit() and int(declared) > max_body_bytes:
+                return await error_response(too_large)(scope, receive, send)
+            seen = 0
+
+            async def limited():
+                nonlocal seen
+                message = await receive()
+                if message["type"] == "http.request":
+                    seen += len(message.get("body", b""))
+                    if seen > max_body_bytes:
+                        raise StarletteHTTPException(413)
+                return message
+
+            await self.inner(scope, limited, send)
+
+    app.add_middleware(BodyLimit)
+
     # ------------------------------------------------------------ routes
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok", "model": model_name, "drafter": runner.drafter_name, "in_flight": runner.in_flight}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics_route() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
 
-    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    @app.get("/v1/models", dependencies=[Depends(authorize)], responses={401: ERROR_RESPONSES[401]})
     async def models() -> dict:
         card = {"id": model_name, "object": "model", "created": created, "owned_by": "selfdraft",
                 "max_model_len": runner.target.max_context, "drafter": runner.drafter_name}
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions", dependencies=[Depends(authorize)])
-    async def completions(req: CompletionRequest, request: Request):
+    async def prepare(req, rid: str, endpoint: str, max_tokens: int | None) -> RequestSpec:
+        """Validate and tokenize in a worker thread: a long prompt never stalls the event loop
+        (other clients, /health)."""
         check_model(req.model)
-        ids = completion_prompt_ids(req, runner.target)
-        spec = build_spec(req, ids, runner.target, gamma, "completions", req.max_tokens)
-        handle = submit(spec)
+        check_unsupported(req)
+        to_ids = chat_prompt_ids if endpoint == "chat" else completion_prompt_ids
+
+        def work() -> RequestSpec:
+            try:
+                ids = to_ids(req, runner.target)
+            except OpenAIError:
+                raise
+            except Exception as e:  # noqa: BLE001  (the tokenizer or template on odd input: log, generic 500)
+                raise internal(rid, "tokenizing the prompt", e) from None
+            return build_spec(req, ids, runner.target, gamma, endpoint, max_tokens, rid)
+
+        return await asyncio.to_thread(work)
+
+    @app.post("/v1/completions", dependencies=[Depends(authorize)], responses=ERROR_RESPONSES)
+    async def completions(req: CompletionRequest, request: Request):
         rid, include_usage = f"cmpl-{uuid.uuid4().hex}", bool(req.stream_options and req.stream_options.include_usage)
+        handle = submit(await prepare(req, rid, "completions", req.max_tokens))
 
         def chunk(text: str, finish: str | None, ids: list[int] | None = None) -> dict:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
@@ -128,14 +200,11 @@ def create_app(runner: EngineLoop, model_name: str, api_key: str | None = None, 
         body["usage"] = usage(last)
         return body
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)], responses=ERROR_RESPONSES)
     async def chat_completions(req: ChatCompletionRequest, request: Request):
-        check_model(req.model)
-        ids = chat_prompt_ids(req, runner.target)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        spec = build_spec(req, ids, runner.target, gamma, "chat", max_tokens)
-        handle = submit(spec)
         rid, include_usage = f"chatcmpl-{uuid.uuid4().hex}", bool(req.stream_options and req.stream_options.include_usage)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        handle = submit(await prepare(req, rid, "chat", max_tokens))
 
         def chunk(text: str, finish: str | None, ids: list[int] | None = None, role: bool = False) -> dict:
             delta = ({"role": "assistant", "content": text} if role else {"content": text}) if finish is None else {}
@@ -152,6 +221,24 @@ def create_app(runner: EngineLoop, model_name: str, api_key: str | None = None, 
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
                 "choices": [with_ids(choice, ids, req)], "usage": usage(last)}
 
+    def openapi() -> dict:
+        """FastAPI's document with the codes actually returned: request validation answers 400 (an
+        OpenAI error object), never FastAPI's 422; `model` takes the one name this server serves."""
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for ops in schema["paths"].values():
+                for op in ops.values():
+                    op.get("responses", {}).pop("422", None)
+            parts = schema.get("components", {}).get("schemas", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                parts.pop(name, None)
+            for name in ("CompletionRequest", "ChatCompletionRequest"):
+                parts[name]["properties"]["model"] = {"type": "string", "enum": [model_name], "title": "Model"}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
     # ------------------------------------------------------------ request plumbing
     def wants_ids(req) -> bool:
         """Extension (as in vLLM): `"return_token_ids": true` adds each choice's generated token ids."""
@@ -167,10 +254,10 @@ def create_app(runner: EngineLoop, model_name: str, api_key: str | None = None, 
                 "total_tokens": last.prompt_tokens + last.completion_tokens,
                 "speculative": last.spec.as_dict(runner.drafter_name) if last.spec else None}
 
-    def failure(last: Delta) -> OpenAIError:
+    def failure(last: Delta, rid: str) -> OpenAIError:
         if last.finish_reason == "cancelled":
             return OpenAIError(503, last.error or "cancelled", "server_error", None, "shutting_down")
-        return OpenAIError(500, last.error or "internal error", "internal_error")
+        return OpenAIError(500, f"{last.error or 'internal error'} (request id {rid})", "internal_error")
 
     async def deltas(handle: Handle, request: Request | None) -> AsyncIterator[Delta]:
         """The request's Deltas until the final one. If the consumer goes away (client disconnect:
@@ -196,6 +283,7 @@ def create_app(runner: EngineLoop, model_name: str, api_key: str | None = None, 
             runner.cancel(handle)  # no-op once done
 
     async def collect(handle: Handle, request: Request) -> tuple[str, list[int], Delta]:
+        rid = handle.spec.request_id
         parts, ids, last = [], [], None
         async for d in deltas(handle, request):
             parts.append(d.text)
@@ -204,7 +292,7 @@ def create_app(runner: EngineLoop, model_name: str, api_key: str | None = None, 
         if last is None:  # the client left; nobody reads this response
             raise OpenAIError(499, "client disconnected", "invalid_request_error")
         if last.finish_reason in ("error", "cancelled"):
-            raise failure(last)
+            raise failure(last, rid)
         return "".join(parts), ids, last
 
     def sse(handle: Handle, first, chunk, rid: str, obj: str, include_usage: bool, ids: bool) -> StreamingResponse:
@@ -219,7 +307,7 @@ def create_app(runner: EngineLoop, model_name: str, api_key: str | None = None, 
                 if d.text or (ids and d.token_ids):
                     yield event(chunk(d.text, None, d.token_ids))
                 if d.finished and d.finish_reason in ("error", "cancelled"):
-                    yield event(failure(d).body())
+                    yield event(failure(d, rid).body())
                     break
                 if d.finished:
                     yield event(chunk("", d.finish_reason))

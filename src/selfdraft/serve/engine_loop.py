@@ -29,6 +29,8 @@ from selfdraft.serve.text import TextStream
 from selfdraft.target import Target
 
 log = logging.getLogger("selfdraft.serve")
+# What a client learns about a failure inside the engine; the details go to the server log.
+INTERNAL_ERROR = "internal error while generating this request; the server log has the details"
 
 
 class Overloaded(RuntimeError):
@@ -48,6 +50,7 @@ class RequestSpec:
     config: GenerationConfig
     stop: tuple[str, ...] = ()
     endpoint: str = "completions"
+    request_id: str = ""  # the response id; server logs name failures by it
 
 
 @dataclass
@@ -98,6 +101,7 @@ class Handle:
     loop: asyncio.AbstractEventLoop
     arrival: float = field(default_factory=time.perf_counter)
     done: bool = False  # set (on the event loop) once the final Delta was received
+    released: bool = False  # its in-flight slot was given back (under EngineLoop._lock)
 
 
 @dataclass
@@ -163,16 +167,29 @@ class EngineLoop:
         return handle
 
     def cancel(self, handle: Handle) -> None:
-        """Drop a request (client gone); it leaves the batch before the next step."""
-        if not handle.done:
-            self._inbox.put(("cancel", handle))
+        """Drop a request (client gone): its in-flight slot is free at once (a new request may be
+        admitted now); it leaves the engine's batch before the next step."""
+        if handle.done or not self._release(handle):
+            return
+        self._inbox.put(("cancel", handle))
+
+    def _release(self, h: Handle) -> bool:
+        """Give back h's in-flight slot, once (called from either thread)."""
+        with self._lock:
+            if h.released:
+                return False
+            h.released = True
+            self._in_flight -= 1
+            return True
 
     def shutdown(self, grace_s: float = 10.0) -> None:
-        """Stop admitting, let in-flight requests finish for up to grace_s, cancel the rest, join."""
+        """Stop admitting, let in-flight requests finish for up to grace_s, cancel the rest (their
+        streams end with an error event), join. Calling it again only joins."""
         with self._lock:
             self._admitting = False
         deadline = time.monotonic() + grace_s
-        while self._in_flight and time.monotonic() < deadline and self._thread and self._thread.is_alive():
+        while (self._in_flight and time.monotonic() < deadline and not self._stop.is_set()
+               and self._thread and self._thread.is_alive()):
             time.sleep(0.05)
         self._stop.set()
         self._inbox.put(("wake", None))
@@ -192,10 +209,10 @@ class EngineLoop:
                 t0 = time.perf_counter()
                 outputs = self.engine.step()
                 self._dispatch(outputs, time.perf_counter() - t0)
-            except Exception as e:  # a bug or a failed forward: fail the batch, keep serving
-                log.exception("engine step failed")
-                self._fail_all(f"internal error in the engine step: {type(e).__name__}: {e}")
-        self._fail_all("the server shut down before this request finished", reason="cancelled")
+            except Exception:  # a failure no single request caused (the batched forward): fail the batch
+                log.exception("engine step failed; failing the %d requests in the batch", len(self._live))
+                self._fail_all(INTERNAL_ERROR)
+        self._fail_all("the server shut down before this request finished", reason="cancelled", inbox=True)
         log.info("engine loop stopped")
 
     def _take_inbox(self, block: bool) -> None:
@@ -214,10 +231,13 @@ class EngineLoop:
                 return
 
     def _add(self, h: Handle) -> None:
+        if h.released:  # cancelled before it reached the engine
+            return
         try:
             rid = self.engine.add_request(h.spec.prompt_ids, self.make_drafter(), h.spec.params, h.spec.config)
-        except Exception as e:  # validated upstream; still never let one request kill the loop
-            self._post(h, Delta("", finished=True, finish_reason="error", error=str(e)))
+        except Exception:  # validated upstream; still never let one request kill the loop
+            log.exception("request %s could not join the batch", h.spec.request_id)
+            self._post(h, Delta("", finished=True, finish_reason="error", error=INTERNAL_ERROR))
             return
         self._live[rid] = _Live(h, rid, TextStream(self.target.decode, h.spec.stop))
         self.metrics.prompt_tokens.inc(len(h.spec.prompt_ids))
@@ -236,6 +256,10 @@ class EngineLoop:
         for o in outputs:
             live = self._live.get(o.request_id)
             if live is None:
+                continue
+            if o.finish_reason == "error":  # this request alone failed; the rest of the batch went on
+                log.error("request %s failed in the engine", live.handle.spec.request_id, exc_info=o.error)
+                self._finish(live, "error", error=INTERNAL_ERROR)
                 continue
             if o.round is not None:
                 live.spec.add(o.round)
@@ -270,11 +294,13 @@ class EngineLoop:
         self.metrics.latency.observe(time.perf_counter() - h.arrival)
         self._post(h, Delta(text, ids or [], True, reason, len(h.spec.prompt_ids), live.tokens, live.spec, error))
 
-    def _fail_all(self, message: str, reason: str = "error") -> None:
+    def _fail_all(self, message: str, reason: str = "error", inbox: bool = False) -> None:
+        """End every request in the engine; with inbox, also those still waiting to join it (shutdown).
+        Otherwise they stay queued and join the fresh engine."""
         for live in list(self._live.values()):
             self._finish(live, reason, error=message)
         self.engine = Engine(self.target, self.engine.scheduler, self.engine.max_concurrency)
-        while True:  # requests still in the inbox never reached the engine
+        while inbox:
             try:
                 cmd, h = self._inbox.get_nowait()
             except queue.Empty:
@@ -285,8 +311,7 @@ class EngineLoop:
 
     def _post(self, h: Handle, delta: Delta) -> None:
         if delta.finished:
-            with self._lock:
-                self._in_flight -= 1
+            self._release(h)
         try:
             h.loop.call_soon_threadsafe(h.queue.put_nowait, delta)
         except RuntimeError:  # the event loop is closed: nobody is listening any more

@@ -6,11 +6,12 @@ does against OpenAI; the engine's own limits come from `GenerationConfig`.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
-from selfdraft.config import ConfigError, GenerationConfig, SamplingParams
+from selfdraft.config import MAX_LOGIT_BIAS, MAX_PENALTY, ConfigError, GenerationConfig, SamplingParams
 from selfdraft.serve.engine_loop import RequestSpec
 from selfdraft.target import Target
 
@@ -31,15 +32,71 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """The body of every error response (OpenAI's shape)."""
+
+    error: ErrorDetail
+
+
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
     include_usage: bool = False
+
+
+# Fields of the OpenAI API that would change the output and that a lossless speculative engine does
+# not implement: a request that sets one (to anything but null / its neutral value) gets a 400 naming it.
+UNSUPPORTED = ("response_format", "tools", "tool_choice", "functions", "function_call", "top_logprobs",
+               "logprobs", "echo", "suffix", "parallel_tool_calls", "prediction", "audio", "modalities",
+               "web_search_options", "reasoning_effort", "guided_json", "guided_regex", "guided_choice",
+               "guided_grammar", "repetition_penalty", "min_p")
+NEUTRAL: dict[str, tuple] = {"logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,), "suffix": ("",), "tools": ([],),
+                             "functions": ([],), "parallel_tool_calls": (True, False), "tool_choice": ("none",),
+                             "repetition_penalty": (1.0,), "min_p": (0.0,)}
+
+
+def _bad_text(value: Any, where: str) -> str | None:
+    """The location of the first string inside value that is not valid Unicode text (a lone
+    surrogate such as "\\ud800", which JSON allows but UTF-8 cannot encode), else None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            key = str(k).encode("utf-8", "replace").decode()
+            bad = _bad_text(k, where) or _bad_text(v, f"{where}.{key}" if where != "body" else key)
+            if bad is not None:
+                return bad
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            bad = _bad_text(v, f"{where}.[{i}]")
+            if bad is not None:
+                return bad
+    return None
 
 
 class _Request(BaseModel):
     """Fields both endpoints share. Unknown fields are accepted and ignored, as OpenAI-compatible
-    servers do; fields that would change the output and are not supported raise 400."""
+    servers do; fields that would change the output and are not supported raise 400 (UNSUPPORTED)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)  # no coercion: [[false]] is not token ids
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        bad = _bad_text(data, "body")
+        if bad is not None:  # a 400 here, never a 500 from the tokenizer or the JSON encoder
+            raise OpenAIError(400, f"{bad}: the text is not valid Unicode (a lone surrogate)",
+                              "invalid_request_error", None if bad == "body" else bad, "invalid_unicode")
+        return data
 
     model: str
     max_tokens: int | None = None
@@ -51,24 +108,24 @@ class _Request(BaseModel):
     n: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
 
 
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool | None = None
     best_of: int | None = None
-    logprobs: int | None = None
-    suffix: str | None = None
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)  # no coercion: [[false]] is not token ids
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)  # no coercion: [[false]] is not token ids
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
 
@@ -76,7 +133,6 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    logprobs: bool | None = None
 
 
 # ---------------------------------------------------------------- validation
@@ -84,15 +140,19 @@ def _bad(message: str, param: str | None, code: str | None = None, status: int =
     return OpenAIError(status, message, "invalid_request_error", param, code)
 
 
+def check_unsupported(req: _Request) -> None:
+    """400 naming the first output-changing field this server does not implement."""
+    extra = req.model_extra or {}
+    for name in UNSUPPORTED:
+        value = extra.get(name)
+        if value is not None and not any(value == n and type(value) is type(n) for n in NEUTRAL.get(name, ())):
+            raise _bad(f"{name} is not supported by this server", name, "unsupported_parameter")
+
+
 def completion_prompt_ids(req: CompletionRequest, target: Target) -> list[int]:
-    if req.echo:
-        raise _bad("echo is not supported", "echo")
+    """Prompt -> token ids (tokenizes: call it off the event loop)."""
     if req.best_of not in (None, 1):
         raise _bad("best_of must be 1 (one completion per request)", "best_of")
-    if req.logprobs is not None:
-        raise _bad("logprobs are not supported", "logprobs")
-    if req.suffix:
-        raise _bad("suffix is not supported", "suffix")
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
@@ -110,10 +170,7 @@ def completion_prompt_ids(req: CompletionRequest, target: Target) -> list[int]:
 
 
 def chat_prompt_ids(req: ChatCompletionRequest, target: Target) -> list[int]:
-    if req.logprobs:
-        raise _bad("logprobs are not supported", "logprobs")
-    if (req.model_extra or {}).get("tools"):
-        raise _bad("tools are not supported", "tools")
+    """Messages -> token ids through the chat template (tokenizes: call it off the event loop)."""
     if not req.messages:
         raise _bad("messages must not be empty", "messages")
     msgs = []
@@ -129,12 +186,12 @@ def chat_prompt_ids(req: ChatCompletionRequest, target: Target) -> list[int]:
 
 
 def build_spec(req: _Request, prompt_ids: list[int], target: Target, gamma: int, endpoint: str,
-               max_tokens: int | None) -> RequestSpec:
+               max_tokens: int | None, request_id: str = "") -> RequestSpec:
     """Sampling and limits of a request, checked against the target's context."""
     if req.n not in (None, 1):
         raise _bad("n must be 1 (one completion per request)", "n")
     temperature = API_TEMPERATURE if req.temperature is None else req.temperature
-    if not 0.0 <= temperature <= MAX_TEMPERATURE:
+    if not 0.0 <= temperature <= MAX_TEMPERATURE:  # NaN fails too
         raise _bad(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {temperature}", "temperature")
     top_p = 1.0 if req.top_p is None else req.top_p
     if not 0.0 < top_p <= 1.0:
@@ -144,6 +201,22 @@ def build_spec(req: _Request, prompt_ids: list[int], target: Target, gamma: int,
         raise _bad(f"top_k must be >= 0 (0 or -1 = off), got {req.top_k}", "top_k")
     if req.seed is not None and not 0 <= req.seed < 2**63:
         raise _bad("seed must be in [0, 2^63)", "seed")
+    penalties = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(req, name) or 0.0
+        if not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise _bad(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}", name)
+        penalties[name] = value
+    bias = []
+    for key, value in (req.logit_bias or {}).items():
+        if not (key.isascii() and key.isdigit()) or int(key) >= target.vocab_size:
+            raise _bad(f"logit_bias keys must be token ids in [0, {target.vocab_size}), got {key!r}", "logit_bias")
+        if not (math.isfinite(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+            raise _bad(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value}",
+                       "logit_bias")
+        bias.append((int(key), value))
+    if len({t for t, _ in bias}) != len(bias):
+        raise _bad("logit_bias names a token id twice", "logit_bias")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
         raise _bad(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings", "stop")
@@ -160,11 +233,12 @@ def build_spec(req: _Request, prompt_ids: list[int], target: Target, gamma: int,
     if max_tokens is None:
         max_tokens = min(GenerationConfig().max_new_tokens, ctx - P)
     try:
-        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=req.seed)
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=req.seed,
+                                logit_bias=tuple(bias), **penalties)
         config = GenerationConfig(max_new_tokens=max_tokens, gamma=gamma)
     except ConfigError as e:  # the checks above should have caught it; never a 500 for bad input
         raise _bad(str(e), None) from e
-    return RequestSpec(prompt_ids, params, config, tuple(stop), endpoint)
+    return RequestSpec(prompt_ids, params, config, tuple(stop), endpoint, request_id)
 
 
 def validation_error(errors: list[dict[str, Any]]) -> OpenAIError:

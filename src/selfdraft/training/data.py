@@ -626,7 +626,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     V = logits.shape[-1]
     if params.greedy or (params.top_k == 0 and params.top_p == 1.0) or V <= NUCLEUS_CANDIDATES:
         return sample(probs_from_logits(logits, params), generator)
-    z = logits.float() / params.temperature  # [B, V]
+    z = (logits.float() - logits.float().amax(-1, keepdim=True)) / params.temperature  # [B, V]; max 0: no inf - inf
     vals, idx = torch.topk(z, params.top_k or NUCLEUS_CANDIDATES, dim=-1)  # [B, K] descending
     norm = vals if params.top_k else z  # top-k renormalises over the k kept tokens
     probs = torch.exp(vals - torch.logsumexp(norm, dim=-1, keepdim=True))  # [B, K]
@@ -683,6 +683,7 @@ def regenerate(
         records, n = answer_batch(target, batch, cfg, generator)
         writer.write(records)
         generated, written = generated + n, written + len(records)
+        _note_progress(out_dir, manifest, written, generated, time.perf_counter() - t0)
         bar.update(len(batch))
         bar.set_postfix(tok_s=f"{generated / (time.perf_counter() - t0):.1f}", tokens=generated)
     bar.close()
@@ -714,12 +715,24 @@ def _open_manifest(out_dir: Path, target, cfg: RegenConfig, provenance: dict) ->
         manifest = {"target": ident, "sampling": cfg.sampling(), "config": asdict(cfg), "runs": [],
                     "wall_time_s": 0.0}
     manifest.update(provenance)
+    # A run is recorded when it starts and after every batch, so a killed run stays in the record
+    # (with what it wrote); a "running" entry found here is such a run.
+    for run in manifest["runs"]:
+        if run.get("status") == "running":
+            run["status"] = "killed"
+    manifest["runs"].append({"command": manifest.get("command"), "status": "running", "complete": False,
+                             "written": 0, "generated_tokens": 0, "wall_s": 0.0})
     _write_json(path, manifest)
     return manifest
 
 
+def _note_progress(out_dir: Path, manifest: dict, written: int, generated: int, wall_s: float) -> None:
+    manifest["runs"][-1].update(written=written, generated_tokens=generated, wall_s=wall_s)
+    _write_json(out_dir / "manifest.json", manifest)
+
+
 def _close_manifest(out_dir: Path, manifest: dict, summary: RegenSummary, complete: bool, eos_ids: set[int]) -> None:
-    manifest["runs"].append({"command": manifest.get("command"), **asdict(summary), "complete": complete})
+    manifest["runs"][-1].update(**asdict(summary), complete=complete, status="finished")
     manifest["wall_time_s"] = sum(r["wall_s"] for r in manifest["runs"])
     manifest["complete"] = complete
     manifest["totals"] = dataset_totals(out_dir, eos_ids)
