@@ -34,7 +34,7 @@ BACKENDS = ("auto", "native", "hf")
 WEIGHTS = ("auto", "bf16", "fp32", "int8", "int4")
 DEVICES = ("auto", "cpu", "cuda")
 # --weights auto on the native backend, by scripts/bench_engine.py on a 2-core AVX2 CPU (docs/engine.md)
-AUTO_NATIVE_WEIGHTS = "int8"
+AUTO_NATIVE_WEIGHTS = "fp32"
 
 
 class TargetError(ValueError):
