@@ -50,6 +50,9 @@ class LogProgress(tqdm):
         self.fp.flush()
         return True
 
+    def set_postfix(self, ordered_dict=None, refresh: bool = True, **kwargs) -> None:
+        super().set_postfix(ordered_dict, refresh=False, **kwargs)  # shown on the next line, not a line of its own
+
     def clear(self, nolock: bool = False) -> None:
         pass  # lines are never redrawn
 
