@@ -472,3 +472,30 @@ def test_a_killed_regeneration_run_stays_in_manifest_runs(tmp_path, chat_target,
     assert [r["status"] for r in manifest["runs"]] == ["killed", "finished"]
     assert [r["written"] for r in manifest["runs"]] == [4, 2] and manifest["complete"]
     assert manifest["wall_time_s"] == pytest.approx(sum(r["wall_s"] for r in manifest["runs"]))
+
+
+@needs_tokenizer
+def test_original_answers_import_is_masked_split_and_resumable(tmp_path, chat_target):
+    """`data original`: first exchanges of a ShareGPT-style file become records whose loss mask covers
+    exactly the original answer (+ end of turn); malformed records and duplicates are counted; a rerun
+    adds only what is missing; the feature cache then gives every position the target's log-partition."""
+    from selfdraft.training.original import SOURCE, import_original
+
+    convs = [{"conversations": [{"from": "human", "value": f"Question {i}?"}, {"from": "gpt", "value": f"Answer number {i}."}]}
+             for i in range(6)]
+    convs += [{"conversations": [{"from": "gpt", "value": "no user turn"}]}, convs[0]]  # malformed, duplicate
+    src = tmp_path / "sharegpt.json"
+    src.write_text(json.dumps(convs))
+    out = tmp_path / "orig"
+    first = import_original(chat_target, out, limit=4, source=str(src), progress=False)
+    assert (first.written, first.duplicates, first.malformed) == (4, 1, 1)
+    again = import_original(chat_target, out, limit=6, source=str(src), progress=False)
+    assert (again.written, again.skipped_existing) == (2, 4)
+    recs = load_records(out)
+    assert len(recs) == 6 and {r["source"] for r in recs} == {SOURCE}
+    for r in recs:
+        answer = [t for t, m in zip(r["input_ids"], r["loss_mask"]) if m]
+        text = chat_target.tokenizer.decode(answer[:-1])
+        assert text == r["messages"][1]["content"] and answer[-1] == chat_target.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    index = write_feature_cache(chat_target, out, tmp_path / "f", FeatureSpec(feature_layers=(1,)), progress=False)
+    assert index["records"] == 6 and FeatureCache(tmp_path / "f")[0].lse is not None

@@ -19,7 +19,6 @@ recomputes only the records not yet in a finished shard.
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,7 +102,7 @@ def write_feature_cache(
     progress: bool = True,
 ) -> dict:
     """Run the target over every record and store its features in shards; returns the index."""
-    from tqdm import tqdm
+    from selfdraft.progress import progress_bar
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -114,8 +113,8 @@ def write_feature_cache(
     records = [r for r in iter_records(data_dir, split) if r["id"] not in done]
     buffer: list[dict] = []
     buffered = 0  # tokens in buffer
-    bar = tqdm(total=sum(min(len(r["input_ids"]), spec.max_seq_len) for r in records), unit="tok",
-               disable=not progress, file=sys.stderr, dynamic_ncols=True)
+    bar = progress_bar(total=sum(min(len(r["input_ids"]), spec.max_seq_len) for r in records), unit="tok",
+                       disable=not progress)
     # Similar lengths together, so the padded batch wastes little; ids make the order stable.
     records.sort(key=lambda r: (min(len(r["input_ids"]), spec.max_seq_len), r["id"]))
     for i in range(0, len(records), spec.batch_size):

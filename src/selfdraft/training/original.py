@@ -14,7 +14,6 @@ TV term (against p_t) most. Records follow the data.py contract, with source "sh
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,7 +73,7 @@ def import_original(
     prompt-hash rule as regenerated data, so a prompt is in the same split in both kinds of dataset.
     Each record is truncated to max_seq_len tokens.
     """
-    from tqdm import tqdm
+    from selfdraft.progress import progress_bar
 
     if limit < 1 or max_seq_len < 8:
         raise ConfigError(f"limit must be >= 1 and max_seq_len >= 8 (got {limit}, {max_seq_len})")
@@ -98,7 +97,7 @@ def import_original(
     existing = len(writer.done)
     chosen, too_long = [], 0
     ordered = sorted(pairs)
-    bar = tqdm(total=limit, unit="conv", disable=not progress, file=sys.stderr, dynamic_ncols=True)
+    bar = progress_bar(total=limit, unit="conv", disable=not progress)
     bar.update(min(limit, sum(1 for pid in ordered if pid in writer.done)))
     for pid in ordered:
         if len(chosen) + len(writer.done) >= limit:

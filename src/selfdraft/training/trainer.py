@@ -282,7 +282,10 @@ def _train(target, drafter_cfg, train_cfg, out_dir, strategy, resume, on_step, d
         if dist.rank == 0:
             bar.write(f"step {v.step}: val loss {v.loss:.4f} " + " ".join(f"{k} {x:.3f}" for k, x in v.metrics.items()))
 
-    bar = progress_bar(total=train_cfg.steps, initial=run.step, desc=f"train {cfg.method}", disable=dist.rank != 0)
+    by_tokens = bool(train_cfg.token_budget)  # the budget usually ends a run before `steps`: count what ends it
+    bar = progress_bar(total=train_cfg.token_budget if by_tokens else train_cfg.steps,
+                       initial=min(run.tokens, train_cfg.token_budget) if by_tokens else run.step,
+                       unit="tok" if by_tokens else "step", desc=f"train {cfg.method}", disable=dist.rank != 0)
     while run.step < train_cfg.steps and not (train_cfg.token_budget and run.tokens >= train_cfg.token_budget):
         # 3. One optimizer step: lr from the schedule, grad_accum micro-batches, clip, update.
         t0 = time.perf_counter()
@@ -314,7 +317,7 @@ def _train(target, drafter_cfg, train_cfg, out_dir, strategy, resume, on_step, d
         run.history.append(log)
         shown = {k: f"{v:.3f}" for k, v in metrics.items() if k in ("acc@1", "acc@2", "acc@3")}
         bar.set_postfix(loss=f"{loss:.4f}", **shown, tok_s=f"{log.tokens_per_s:.0f}", lr=f"{lr:.2e}")
-        bar.update(1)
+        bar.update(step_tokens if by_tokens else 1)
         if train_cfg.val_every and run.step % train_cfg.val_every == 0:
             validate()
         if train_cfg.save_every and run.step % train_cfg.save_every == 0:
