@@ -33,6 +33,14 @@ def load(dir: str):
     model, info = super(SpeculatorModel, cls).from_pretrained(dir, config=config, output_loading_info=True)
     model.load_verifier_weights()
     model = model.float().eval()
+    # transformers builds the model on the meta device and does not recompute the rotary embedding's
+    # non-persistent inv_freq buffer for these custom modules (it holds whatever memory it got, so
+    # drafts were not even reproducible): rebuild that module from its own config. No weight changes.
+    rot = model.rotary_emb
+    fresh = type(rot)(rot.config).float()
+    if not torch.allclose(rot.inv_freq, fresh.inv_freq):
+        print(f"{dir}: rotary inv_freq left uninitialised by the loader; rebuilt", file=sys.stderr)
+    model.rotary_emb = fresh
     nan = sorted(k for k, v in model.state_dict().items() if v.is_floating_point() and bool(v.isnan().any()))
     report = {k: sorted(map(str, info.get(k, []))) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     report["nan"] = nan  # a parameter the loader left at its NaN sentinel is missing in disguise
