@@ -33,7 +33,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 BACKENDS = ("auto", "native", "hf")
 WEIGHTS = ("auto", "bf16", "fp32", "int8", "int4")
 DEVICES = ("auto", "cpu", "cuda")
-# --weights auto on the native backend, by scripts/bench_engine.py on a 2-core AVX2 CPU (docs/engine.md)
+# --weights auto on the native backend on CPU: the fewest bytes per forward; provisional (docs/engine.md, Speed)
 AUTO_NATIVE_WEIGHTS = "int8"
 
 
