@@ -32,11 +32,37 @@ def ship(src: Path, dst: Path) -> None:
         else:
             shutil.copy2(f, tmp / f.name)
     cfg = json.loads((tmp / "config.json").read_text())
-    cfg.setdefault("provenance", {})["shipped"] = {"from": str(src), "weights": "cast to bfloat16 for the repository"}
+    cfg["provenance"] = portable(cfg.get("provenance", {}))
+    cfg["provenance"]["shipped"] = {"from": portable(str(src)), "weights": "cast to bfloat16 for the repository"}
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     shutil.rmtree(dst, ignore_errors=True)
     tmp.replace(dst)
 
 
+def portable(x):
+    """Provenance without this machine's absolute paths: paths inside the repository become relative,
+    the interpreter's entry point becomes `selfdraft`, other absolute paths keep only their last parts."""
+    if isinstance(x, dict):
+        return {k: portable(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [portable(v) for v in x]
+    if isinstance(x, str) and x.startswith("/"):
+        p, root = Path(x), Path.cwd().resolve()
+        if p.name == "__main__.py" or p.name == "selfdraft":
+            return "selfdraft"
+        try:
+            return str(p.relative_to(root))
+        except ValueError:
+            return "/".join(p.parts[-2:])
+    return x
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--fix-config"]:  # rewrite an already shipped checkpoint's provenance in place
+        for d in sys.argv[2:]:
+            f = Path(d) / "config.json"
+            cfg = json.loads(f.read_text())
+            cfg["provenance"] = portable(cfg.get("provenance", {}))
+            f.write_text(json.dumps(cfg, indent=2) + "\n")
+        sys.exit(0)
     ship(Path(sys.argv[1]), Path(sys.argv[2]))
