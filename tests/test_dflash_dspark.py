@@ -147,6 +147,23 @@ def test_tv_and_confidence_labels_direct():
     assert torch.allclose(position_weights(3, 2.0), torch.exp(-torch.tensor([0.0, 0.5, 1.0])), atol=1e-6)
 
 
+def replay_positions(model, target, batch, tf, cfg):
+    """Slow reference: replay every block serially with ground-truth previous tokens; yields per valid
+    position (w_k, draft logits over V, p_t over V, gold token, c_k or None)."""
+    B, A, G = tf.valid.shape
+    with torch.no_grad():
+        for b in range(B):
+            for a in range(A):
+                t = int(tf.src[b, a, 0])
+                x = batch.input_ids[b, t : t + G + 1].tolist() + [0] * G
+                blk = model.decode_block(tf.h[b, a], lm_logits(target, tf.h[b, a]), x[0], lambda k, logits: x[k + 1])
+                for k in range(G):
+                    if tf.valid[b, a, k]:
+                        p_t = torch.softmax(target.lm_head(batch.last_hidden[b, t + k]), -1)
+                        c = None if blk.confidences is None else blk.confidences[k].item()
+                        yield math.exp(-k / cfg.loss_decay), blk.logits[k], p_t, x[k + 1], c
+
+
 @pytest.mark.parametrize("head", ["vanilla", "rnn"])
 def test_dspark_loss_parts_match_direct_loop(target, head):
     model, cfg = make("dspark", target, gamma=3, markov_head=head, markov_rank=8, anchors_per_seq=4)
@@ -155,28 +172,15 @@ def test_dspark_loss_parts_match_direct_loop(target, head):
     with torch.no_grad():
         tf = teacher_forced_blocks(model, batch, target, cfg, torch.Generator().manual_seed(7))
     sums = {"ce": 0.0, "tv": 0.0, "alpha": 0.0, "conf": 0.0, "w": 0.0}
-    B, A, G = tf.valid.shape
-    with torch.no_grad():
-        for b in range(B):
-            for a in range(A):
-                # serial replay with ground-truth previous tokens, one block at a time
-                t = int(tf.src[b, a, 0])
-                x = batch.input_ids[b, t : t + G + 1].tolist() + [0] * G
-                U = lm_logits(target, tf.h[b, a])
-                blk = model.decode_block(tf.h[b, a], U, x[0], lambda k, logits: x[k + 1])
-                for k in range(G):
-                    if not tf.valid[b, a, k]:
-                        continue
-                    w = torch.exp(torch.tensor(-k / cfg.loss_decay)).item()
-                    p_d = torch.softmax(blk.logits[k], -1)
-                    p_t = torch.softmax(target.lm_head(batch.last_hidden[b, t + k]), -1)
-                    tv = sum(abs(a - b) for a, b in zip(p_d.tolist(), p_t.tolist()))
-                    c_star, c = 1 - tv / 2, blk.confidences[k].item()
-                    sums["ce"] += w * -math.log(p_d[x[k + 1]].item())
-                    sums["tv"] += w * tv
-                    sums["alpha"] += w * c_star
-                    sums["conf"] += w * -(c_star * math.log(c) + (1 - c_star) * math.log(1 - c))
-                    sums["w"] += w
+    for w, logits, p_t, gold, c in replay_positions(model, target, batch, tf, cfg):
+        p_d = torch.softmax(logits, -1)
+        tv = sum(abs(a - b) for a, b in zip(p_d.tolist(), p_t.tolist()))
+        c_star = 1 - tv / 2
+        sums["ce"] += w * -math.log(p_d[gold].item())
+        sums["tv"] += w * tv
+        sums["alpha"] += w * c_star
+        sums["conf"] += w * -(c_star * math.log(c) + (1 - c_star) * math.log(1 - c))
+        sums["w"] += w
     for key in ("ce", "tv", "alpha", "conf"):
         assert abs(out.metrics[key] - sums[key] / sums["w"]) < 1e-4, key
     expected = 0.1 * sums["ce"] / sums["w"] + 0.9 * sums["tv"] / sums["w"] + sums["conf"] / sums["w"]
@@ -357,24 +361,13 @@ def test_draft_vocabulary_loss_equals_full_vocabulary_loss(target, cached_lse):
     outside = torch.ones(V, dtype=torch.bool)
     outside[ids] = False
     sums = {"ce": 0.0, "ce_w": 0.0, "tv": 0.0, "w": 0.0}
-    B, A, G = tf.valid.shape
-    with torch.no_grad():
-        for b in range(B):
-            for a in range(A):
-                t = int(tf.src[b, a, 0])
-                x = batch.input_ids[b, t : t + G + 1].tolist() + [0] * G
-                blk = model.decode_block(tf.h[b, a], lm_logits(target, tf.h[b, a]), x[0], lambda k, logits: x[k + 1])
-                for k in range(G):
-                    if not tf.valid[b, a, k]:
-                        continue
-                    w = math.exp(-k / cfg.loss_decay)
-                    p_d = torch.softmax(blk.logits[k].masked_fill(outside, float("-inf")), -1)  # zero outside V'
-                    p_t = torch.softmax(target.lm_head(batch.last_hidden[b, t + k]), -1)  # full vocabulary
-                    sums["tv"] += w * float((p_d - p_t).abs().sum())
-                    sums["w"] += w
-                    if not outside[x[k + 1]]:
-                        sums["ce"] += w * -math.log(p_d[x[k + 1]].item())
-                        sums["ce_w"] += w
+    for w, logits, p_t, gold, _ in replay_positions(model, target, batch, tf, cfg):
+        p_d = torch.softmax(logits.masked_fill(outside, float("-inf")), -1)  # zero outside V'
+        sums["tv"] += w * float((p_d - p_t).abs().sum())  # p_t over the full vocabulary
+        sums["w"] += w
+        if not outside[gold]:
+            sums["ce"] += w * -math.log(p_d[gold].item())
+            sums["ce_w"] += w
     assert abs(out.metrics["tv"] - sums["tv"] / sums["w"]) < 1e-4
     assert abs(out.metrics["ce"] - sums["ce"] / sums["ce_w"]) < 1e-4
 

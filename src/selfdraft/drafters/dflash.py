@@ -174,12 +174,9 @@ def prepare_draft_vocab(model: "DFlashModel", cfg: DrafterConfig, target: Target
     """Fill model.draft_ids with the cfg.loss_vocab_size most frequent answer tokens of the training data."""
     if not cfg.loss_vocab_size:
         return
-    from pathlib import Path
+    from selfdraft.training.data import draft_vocab_of
 
-    from selfdraft.training.data import DraftVocab, build_draft_vocab
-
-    path = Path(data_dir) / f"draft_vocab_{cfg.loss_vocab_size}.safetensors"
-    vocab = DraftVocab.load(path) if path.exists() else build_draft_vocab(data_dir, cfg.loss_vocab_size, target.vocab_size)
+    vocab = draft_vocab_of(data_dir, cfg.loss_vocab_size, target.vocab_size)
     model.draft_ids.copy_(vocab.target_ids.to(model.draft_ids.device))
 
 

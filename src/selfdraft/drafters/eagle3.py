@@ -17,7 +17,6 @@ Inference: a chain of γ drafts, or an EAGLE-2 dynamic tree (`build_tree`).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -175,10 +174,9 @@ class Eagle3Strategy(Strategy):
         """The draft vocabulary = the most frequent assistant tokens of the training data (data.py)."""
         if cfg.draft_vocab_size == target.vocab_size:
             return
-        from selfdraft.training.data import DraftVocab, build_draft_vocab
+        from selfdraft.training.data import draft_vocab_of
 
-        path = Path(data_dir) / f"draft_vocab_{cfg.draft_vocab_size}.safetensors"
-        vocab = DraftVocab.load(path) if path.exists() else build_draft_vocab(data_dir, cfg.draft_vocab_size, target.vocab_size)
+        vocab = draft_vocab_of(data_dir, cfg.draft_vocab_size, target.vocab_size)
         model.set_vocab(vocab.d2t.to(model.d2t.device), vocab.t2d.to(model.t2d.device), target)
 
     def loss(self, model: Eagle3Model, batch: Batch, target: Target, cfg: DrafterConfig, generator) -> LossOutput:

@@ -787,6 +787,12 @@ class DraftVocab:
         return cls(t["d2t"], t["t2d"], coverage)
 
 
+def draft_vocab_of(data_dir: str | Path, size: int, vocab_size: int) -> DraftVocab:
+    """The dataset's draft vocabulary of `size` tokens: DIR/draft_vocab_{size}.safetensors if built, else built now."""
+    path = Path(data_dir) / f"draft_vocab_{size}.safetensors"
+    return DraftVocab.load(path) if path.exists() else build_draft_vocab(data_dir, size, vocab_size)
+
+
 def build_draft_vocab(data_dir: str | Path, size: int, vocab_size: int, split: str | None = "train") -> DraftVocab:
     """The `size` most frequent assistant tokens (ties: lower id) of the dataset, saved to
     DIR/draft_vocab_{size}.safetensors. Only supervised (assistant) tokens are counted: those are
