@@ -261,3 +261,67 @@ def test_profile_cli_stores_table_the_hardware_scheduler_loads(tmp_path, monkeyp
     assert table.batch_tokens == (1, 2, 3, 4, 6) and all(s > 0 for s in table.sps)
     assert profile_path(target, target.profile_key).with_suffix(".png").stat().st_size > 1000
     assert "SPS(B)" in res.output
+
+
+def generate_joint_pvalue(target: Target, table: CostTable, n: int = 500) -> float:
+    """As engine_joint_pvalue, through the single-request loop (decode.generate with a scheduler)."""
+    from selfdraft.decode import generate
+
+    prompt = [1, 3, 2]
+    with torch.no_grad():
+        params = SamplingParams(temperature=1.0)
+        p1 = probs_from_logits(target.model(torch.tensor([prompt])).logits[0, -1], params)
+        law = {(a, b): float(p1[a] * probs_from_logits(target.model(torch.tensor([prompt + [a]])).logits[0, -1], params)[b])
+               for a in range(V_SMALL) for b in range(V_SMALL)}
+    sched = Scheduler("hardware", cost=table, padded=False)
+    cfg = GenerationConfig(max_new_tokens=4, gamma=2, stop_on_eos=False)
+    counts = dict.fromkeys(law, 0)
+    for s in range(n):
+        res = generate(target, AppendixADrafter(V_SMALL, m=0), prompt, SamplingParams(temperature=1.0, seed=s), cfg,
+                       scheduler=sched)
+        counts[tuple(res.token_ids[:2])] += 1
+    total = sum(law.values())
+    return float(chisquare(list(counts.values()), [law[k] / total * n for k in counts]).pvalue)
+
+
+def test_appendix_a_through_generate(monkeypatch):
+    target = Target(tiny_llama(vocab=V_SMALL, hidden=16, layers=2, seed=1, peaked=1.0))
+    assert generate_joint_pvalue(target, RISE) > 1e-3
+    monkeypatch.setattr(sched_mod, "hardware_lengths", partial(hardware_lengths, early_stop=False))
+    assert generate_joint_pvalue(target, DIP) < 1e-5  # the broken scheduler is caught through this loop too
+
+
+def test_generate_with_scheduler_verifies_what_pays_and_stays_greedy_exact():
+    """A cost table where verifying anything costs more than it can earn -> no draft verified; a
+    flat one -> all of them; the greedy output equals plain decoding either way."""
+    from selfdraft.decode import generate
+
+    target = Target(tiny_llama(vocab=V_SMALL, hidden=16, layers=2, seed=1, peaked=1.0))
+    cfg = GenerationConfig(max_new_tokens=12, gamma=2, stop_on_eos=False)
+    plain = generate(target, AppendixADrafter(V_SMALL, m=0), [1, 3, 2], SamplingParams(seed=0), cfg)
+    steep, flat = CostTable((1, 2), (1.0, 0.1)), CostTable((1, 3), (1.0, 1.0))
+    for table, verified in ((steep, 0), (flat, 2)):
+        res = generate(target, AppendixADrafter(V_SMALL, m=0), [1, 3, 2], SamplingParams(seed=0), cfg,
+                       scheduler=Scheduler("hardware", cost=table, padded=False))
+        assert res.token_ids == plain.token_ids
+        assert max(r.proposed for r in res.rounds) == verified
+
+
+def test_scheduler_for_auto_measures_once_and_picks_by_drafter(tmp_path, monkeypatch):
+    from selfdraft.config import ConfigError
+    from selfdraft.drafters import load_drafter
+    from selfdraft.profile import profile_path, scheduler_for
+
+    monkeypatch.setenv("SELFDRAFT_CACHE", str(tmp_path / "cache"))
+    target = Target(tiny_llama(vocab=32, hidden=16, layers=2))
+    conf = AppendixADrafter(32, m=0)
+    conf.gives_confidences = True
+    assert scheduler_for("auto", target, load_drafter("ngram", target), 3) is None  # no c_k: verify all
+    logs: list[str] = []
+    s = scheduler_for("auto", target, conf, 3, log=logs.append)
+    assert s.kind == "hardware" and s.cost.batch_tokens == (1, 2, 3, 4) and len(logs) == 1
+    assert profile_path(target, target.profile_key).exists()
+    assert scheduler_for("hardware", target, conf, 3, log=logs.append).cost == s.cost and len(logs) == 1  # reused
+    assert scheduler_for("threshold", target, conf, 3, threshold=0.3).threshold == 0.3
+    with pytest.raises(ConfigError, match="scheduler must be"):
+        scheduler_for("bogus", target, conf, 3)

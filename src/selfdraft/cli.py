@@ -77,6 +77,11 @@ class TextStream:
             self.shown = len(text)
 
 
+SchedulerOpt = typer.Option(
+    "auto", "--scheduler",
+    help="drafts verified per round: auto (hardware for drafters with confidences, else all) | fixed | threshold | hardware")
+
+
 @app.command()
 def generate(
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="prompt text"),
@@ -90,6 +95,7 @@ def generate(
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k", help="0 = off"),
     seed: Optional[int] = typer.Option(None, "--seed"),
+    scheduler: str = SchedulerOpt,
     threads: int = ThreadsOpt,
     dtype: Optional[str] = EngineDtypeOpt,
     backend: str = BackendOpt,
@@ -100,6 +106,7 @@ def generate(
     """Generate an answer with speculative decoding (lossless: same output as the target alone)."""
     from selfdraft.decode import generate as run
     from selfdraft.drafters import load_drafter
+    from selfdraft.profile import scheduler_for
     from selfdraft.target import TargetError
 
     _set_threads(threads)
@@ -114,9 +121,10 @@ def generate(
         cfg = GenerationConfig(max_new_tokens=max_new_tokens, gamma=gamma)
         tgt = _load_target(target, dtype, backend, weights, device)
         draft = load_drafter(drafter, tgt)
+        sched = scheduler_for(scheduler, tgt, draft, gamma, log=lambda m: print(m, file=sys.stderr))
         ids = tgt.encode_prompt(text, chat=chat)
         stream = TextStream(tgt, enabled=not as_json)
-        res = run(tgt, draft, ids, params, cfg, on_tokens=stream)
+        res = run(tgt, draft, ids, params, cfg, on_tokens=stream, scheduler=sched)
     except (ConfigError, TargetError, OSError) as e:
         _fail(str(e))
     if as_json:
@@ -171,6 +179,7 @@ def demo(
         "auto", "--drafter", "-d", help=f"auto = the shipped DSpark drafter ({SHIPPED_DSPARK}) if present, else ngram"
     ),
     max_new_tokens: int = typer.Option(192, "--max-new-tokens", "-n"),
+    scheduler: str = SchedulerOpt,
     threads: int = ThreadsOpt,
     dtype: Optional[str] = EngineDtypeOpt,
     backend: str = BackendOpt,
@@ -182,6 +191,7 @@ def demo(
 
     from selfdraft.decode import generate as run
     from selfdraft.drafters import load_drafter
+    from selfdraft.profile import scheduler_for
     from selfdraft.target import TargetError
 
     _set_threads(threads)
@@ -193,12 +203,13 @@ def demo(
         draft, plain = load_drafter(drafter, tgt), load_drafter("none", tgt)
         ids = tgt.encode_prompt(DEMO_PROMPT)
         cfg = GenerationConfig(max_new_tokens=max_new_tokens)
+        sched = scheduler_for(scheduler, tgt, draft, cfg.gamma, log=lambda m: print(m, file=sys.stderr))
     except (ConfigError, TargetError, OSError) as e:
         _fail(str(e))
     print(f"measuring {max_new_tokens} greedy tokens ({tgt.format}, {str(tgt.model.dtype).removeprefix('torch.')}, "
           f"{threads} thread{'s' * (threads != 1)}): {draft.name} drafting, then plain decoding ...", file=sys.stderr, flush=True)
-    run(tgt, draft, ids[:16] or ids, config=GenerationConfig(max_new_tokens=4))  # warm-up
-    spec = run(tgt, draft, ids, config=cfg)
+    run(tgt, draft, ids[:16] or ids, config=GenerationConfig(max_new_tokens=4), scheduler=sched)  # warm-up
+    spec = run(tgt, draft, ids, config=cfg, scheduler=sched)
     base = run(tgt, plain, ids, config=cfg)
     print(demo_headline(draft.name, spec, base, os.getloadavg()[0], os.cpu_count() or 1))
     print(f"\n--- prompt ---\n{DEMO_PROMPT}\n\n--- answer ({drafter} drafting) ---")
@@ -561,6 +572,7 @@ def bench_cmd(
     backend: str = BackendOpt,
     weights: str = WeightsOpt,
     device: str = DeviceOpt,
+    scheduler: str = SchedulerOpt,
     as_json: bool = typer.Option(False, "--json", help="print results.json to stdout"),
 ) -> None:
     """Benchmark drafters on bundled prompt sets, interleaved in one run; writes a report with plots."""
@@ -573,7 +585,7 @@ def bench_cmd(
     try:
         _check_gamma(gamma)
         cfg = BenchConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, gamma=gamma,
-                          repeats=repeats, seed=seed, peers=peers,
+                          repeats=repeats, seed=seed, peers=peers, scheduler=scheduler,
                           command=shlex.join(["selfdraft", *sys.argv[1:]]))
         sets = [load_prompt_set(s.strip(), num_prompts) for s in datasets.split(",") if s.strip()]
         specs = [parse_drafter_spec(s) for s in drafters.split(",") if s.strip()]

@@ -11,6 +11,7 @@ import torch
 from selfdraft.config import GenerationConfig, SamplingParams
 from selfdraft.drafters.base import Drafter, Proposal
 from selfdraft.sampling import block_contexts, probs_from_logits, process_logits
+from selfdraft.scheduler import Scheduler
 from selfdraft.target import Target, TargetError, TargetStep
 from selfdraft.tree import commit_path, depths, tree_inputs
 from selfdraft.verify import Verification, verify_chain, verify_greedy, verify_tree
@@ -95,8 +96,12 @@ def generate(
     params: SamplingParams = SamplingParams(),
     config: GenerationConfig = GenerationConfig(),
     on_tokens: Callable[[list[int]], None] | None = None,
+    scheduler: Scheduler | None = None,
 ) -> GenerationResult:
-    """Prefill, then rounds of propose -> one target forward -> verify -> commit -> roll back."""
+    """Prefill, then rounds of propose -> one target forward -> verify -> commit -> roll back.
+
+    scheduler: picks ℓ ≤ γ' drafts to verify from the proposal's confidences (None: all of them);
+    the hardware scheduler prices the round as one forward of ℓ + 1 tokens plus the drafting time."""
     P = len(prompt_ids)
     if P == 0:
         raise TargetError("empty prompt")
@@ -117,6 +122,7 @@ def generate(
     drafter.begin(list(prompt_ids), step)
     drafter.prompt_len = P
     out = [first]
+    draft_s = None  # EMA of the drafting time, the round's cost besides the forward
     res.prefill_s = time.perf_counter() - t_start
     if on_tokens:
         on_tokens([first])
@@ -127,6 +133,9 @@ def generate(
         budget = min(config.gamma, config.max_new_tokens - len(out) - 1)
         proposal = drafter.propose(prompt_ids + out, budget, params, gen).truncate(budget).cpu()
         t1 = time.perf_counter()
+        if scheduler is not None and proposal.parents is None:  # ℓ reads c_1..c_ℓ only: lossless
+            draft_s = t1 - t0 if draft_s is None else 0.8 * draft_s + 0.2 * (t1 - t0)
+            proposal = proposal.truncate(scheduler.lengths([proposal], overhead_s=draft_s)[0])
         # 3. One target forward over [anchor, d_1..d_γ'] -> logits [γ'+1, V].
         block = torch.cat([torch.tensor([out[-1]]), proposal.tokens])[None]
         past = P + len(out) - 1

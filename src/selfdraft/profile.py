@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from selfdraft.config import ConfigError
-from selfdraft.scheduler import CostTable
+from selfdraft.scheduler import SCHEDULERS, CostTable, Scheduler
 from selfdraft.target import Target, cache_root
 
 
@@ -104,6 +104,41 @@ def load_profile(target: Target, dtype: str) -> Profile:
 def load_cost_table(target: Target, dtype: str) -> CostTable:
     """SPS(B) for the hardware scheduler."""
     return load_profile(target, dtype).cost_table()
+
+
+def cost_table_for(target: Target, max_tokens: int, log=None) -> CostTable:
+    """The stored SPS(B) of this target, backend, dtype and thread count when it covers B up to
+    max_tokens; otherwise a quick one is measured (B = 1..max_tokens, KV 256, a few seconds) and stored."""
+    path = profile_path(target, target.profile_key)
+    if path.exists():
+        try:
+            prof = Profile(**json.loads(path.read_text()))
+            if prof.threads == torch.get_num_threads() and prof.batch_tokens[-1] >= max_tokens:
+                return prof.cost_table()
+        except (TypeError, ValueError):  # an older or damaged file: measure again
+            pass
+    t0 = time.perf_counter()
+    prof = measure_sps(target, target.profile_key, list(range(1, max_tokens + 1)), kv_len=256, repeats=2)
+    save_profile(prof, path)
+    if log is not None:
+        log(f"measured SPS(B) for the hardware scheduler in {time.perf_counter() - t0:.1f}s -> {path}")
+    return prof.cost_table()
+
+
+def scheduler_for(kind: str, target: Target, drafter, gamma: int, threshold: float = 0.5, log=None) -> Scheduler | None:
+    """The Scheduler a single-request command runs (None: verify every draft).
+
+    auto = hardware for a drafter that gives confidences c_k (DSpark), else every draft: on a
+    machine where verifying k tokens costs much more than decoding one (CPU), DSpark then verifies
+    only the drafts worth their cost (docs/scheduler.md), instead of γ every round."""
+    if kind not in SCHEDULERS + ("auto",):
+        raise ConfigError(f"scheduler must be auto or one of {SCHEDULERS}, got {kind!r}")
+    if kind == "auto":
+        kind = "hardware" if getattr(drafter, "gives_confidences", False) and gamma > 0 else "fixed"
+    if kind == "fixed":
+        return None
+    cost = cost_table_for(target, gamma + 1, log) if kind == "hardware" else None
+    return Scheduler(kind, threshold=threshold, cost=cost, padded=False)
 
 
 def plot_profile(profile: Profile, png: Path) -> None:

@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -43,6 +44,7 @@ class BenchConfig:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     gamma: int = 7  # draft tokens per round for our drafters; prompt_lookup_num_tokens for the HF peer
+    scheduler: str = "auto"  # drafts verified per round: auto | fixed | threshold | hardware (profile.scheduler_for)
     repeats: int = 1  # whole passes over the prompts; tokens/s is the median over passes
     seed: int = 0  # prompt i of dataset d samples with seed + 100000 d + i (same for every runner and pass)
     peers: bool = True  # also run HF generate() and HF prompt lookup on the same prompts
@@ -240,11 +242,15 @@ def _our_runner(target: "Target", spec: DrafterSpec, cfg: BenchConfig) -> Runner
     from selfdraft.decode import generate
     from selfdraft.drafters import load_drafter
 
+    from selfdraft.profile import scheduler_for
+
     drafter = load_drafter(spec.source, target)
+    scheduler = scheduler_for(cfg.scheduler, target, drafter, cfg.gamma, log=lambda m: print(m, file=sys.stderr))
 
     def run(ids: list[int], seed: int, max_new_tokens: int) -> Sample:
         params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, seed=seed)
-        res = generate(target, drafter, ids, params, GenerationConfig(max_new_tokens=max_new_tokens, gamma=cfg.gamma))
+        res = generate(target, drafter, ids, params, GenerationConfig(max_new_tokens=max_new_tokens, gamma=cfg.gamma),
+                       scheduler=scheduler)
         return Sample.from_result(res, cfg.gamma, spec.label, "", -1, -1)
 
     return Runner(spec.label, "selfdraft", spec.source, run)

@@ -301,8 +301,9 @@ class DFlashDrafter(TrainedDrafter):
         super().__init__(model, cfg, target)
         self.ctx: list[KV] = []
         self.ctx_len = 0
+        self.gives_confidences = getattr(model, "confidence", None) is not None  # DSpark's head
         self.vocab: torch.Tensor | None = None  # [V'] draft vocabulary (target ids), None = all V
-        self.lm_rows: torch.Tensor | None = None  # [V', H] the target's LM-head rows of self.vocab
+        self.lm_rows: torch.Tensor | None = None  # [H, V'] the target's LM-head rows of self.vocab, transposed
         if self.model.draft_ids is not None:  # trained over a draft vocabulary: draft among it
             self.restrict_vocab(self.model.draft_ids)
 
@@ -316,7 +317,8 @@ class DFlashDrafter(TrainedDrafter):
         if ids.numel() == 0 or int(ids[0]) < 0 or int(ids[-1]) >= V:
             raise ConfigError(f"a draft vocabulary needs target ids in [0, {V}), got {ids.numel()} ids")
         self.vocab = ids
-        self.lm_rows = self.target.model.get_output_embeddings().weight[ids].detach()
+        # stored [H, V'] contiguous: a few-row product with a row-major right operand is ~2x faster on CPU
+        self.lm_rows = self.target.model.get_output_embeddings().weight[ids].detach().t().contiguous()
 
     @torch.inference_mode()
     def _append(self, features: torch.Tensor) -> None:
@@ -388,7 +390,7 @@ class DFlashDrafter(TrainedDrafter):
         # 1. Backbone states and logits U_k of every live request's block.
         h = DFlashDrafter.draft_states_many([drafters[r] for r in live], [tokens[r] for r in live])[:, : max(g)]
         vocab, rows = drafters[live[0]].vocab, drafters[live[0]].lm_rows  # shared by a batch_key group
-        U = lm_logits(target, h, rows)  # [R', γ, V'] (V' = V without a draft vocabulary)
+        U = lm_logits(target, h) if rows is None else (h.to(rows.dtype) @ rows).float()  # [R', γ, V' or V]
         # 2. Left-to-right choice of x_k (DSpark adds the Markov bias and c_k inside decode_blocks);
         #    positions past a request's own γ_r are filled greedily and cut, drawing no randomness.
 
