@@ -422,3 +422,31 @@ def test_dflash_trains_over_a_draft_vocabulary(target, anchor_as_first):
         w = torch.exp(-k_idx[inside].float() / cfg.loss_decay)
         ce = torch.nn.functional.cross_entropy(masked[inside], gold[inside], reduction="none")
     assert abs(out.metrics["ce"] - float((w * ce).sum() / w.sum())) < 1e-4
+
+
+def test_dspark_stops_drafting_where_the_scheduler_stops_and_stays_exact(target):
+    """propose_until (which skips the LM head when c_1 is refused) = propose cut at ℓ from
+    Algorithm 1; generate with the scheduler = plain greedy, with fewer drafts verified."""
+    from selfdraft.scheduler import CostTable, Scheduler
+
+    model, cfg = make("dspark", target, gamma=5, markov_rank=8)
+    drafter = STRATEGIES["dspark"].drafter(model, cfg, target)
+    assert drafter.gives_confidences
+    prompt = [5, 17, 3, 42, 8, 8, 61]
+    plain = generate(target, REGISTRY["none"](target), prompt, SamplingParams(), GenerationConfig(max_new_tokens=20))
+    start = lambda: drafter.begin(prompt[:-1], target.forward(torch.tensor([prompt[:-1]]), None, FEATS))  # noqa: E731
+    start()
+    full = drafter.propose(prompt, 5, SamplingParams(), None)
+    tables = [CostTable((1, 2, 6), (1.0, s2, s6)) for s2, s6 in ((0.99, 0.95), (0.8, 0.5), (0.6, 0.2), (0.3, 0.1))]
+    seen = set()
+    for table in tables:
+        sched = Scheduler("hardware", cost=table, padded=False)
+        ell = sched.lengths([full])[0]
+        start()
+        cut = drafter.propose_until(prompt, 5, SamplingParams(), None, sched.admission())
+        assert cut.tokens.tolist() == full.tokens[:ell].tolist()
+        seen.add(ell)
+        res = generate(target, drafter, prompt, SamplingParams(), GenerationConfig(max_new_tokens=20, gamma=5),
+                       scheduler=sched)
+        assert res.token_ids == plain.token_ids
+    assert len(seen) >= 2  # the tables chose different ℓ: the cut is exercised, not only "all" or "none"

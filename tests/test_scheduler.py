@@ -287,8 +287,14 @@ def generate_joint_pvalue(target: Target, table: CostTable, n: int = 500) -> flo
 def test_appendix_a_through_generate(monkeypatch):
     target = Target(tiny_llama(vocab=V_SMALL, hidden=16, layers=2, seed=1, peaked=1.0))
     assert generate_joint_pvalue(target, RISE) > 1e-3
-    monkeypatch.setattr(sched_mod, "hardware_lengths", partial(hardware_lengths, early_stop=False))
-    assert generate_joint_pvalue(target, DIP) < 1e-5  # the broken scheduler is caught through this loop too
+
+
+    def global_search(self, tokens, gamma, params, generator, admission):  # reads c_2 to decide on x_1
+        p = self.propose(tokens, gamma, params, generator)
+        return p if p.confidences is None else p.truncate(hardware_lengths([p.confidences], DIP, early_stop=False)[0])
+
+    monkeypatch.setattr(AppendixADrafter, "propose_until", global_search)
+    assert generate_joint_pvalue(target, DIP) < 1e-5  # the broken cut is caught through this loop too
 
 
 def test_generate_with_scheduler_verifies_what_pays_and_stays_greedy_exact():
@@ -325,3 +331,17 @@ def test_scheduler_for_auto_measures_once_and_picks_by_drafter(tmp_path, monkeyp
     assert scheduler_for("threshold", target, conf, 3, threshold=0.3).threshold == 0.3
     with pytest.raises(ConfigError, match="scheduler must be"):
         scheduler_for("bogus", target, conf, 3)
+
+
+def test_online_admission_equals_algorithm1_and_threshold_for_one_request():
+    from selfdraft.scheduler import Admission
+
+    rng = random.Random(3)
+    for _ in range(300):
+        c = torch.tensor([rng.choice([0.0, 1.0, rng.random()]) for _ in range(rng.randint(1, 7))])
+        table = random_table(rng)
+        for adm, want in ((Admission(table), hardware_lengths([c], table)[0]),
+                          (Admission(None, 0.4), threshold_lengths([c], 0.4)[0])):
+            answers = [adm.admit(float(x)) for x in c]
+            n = answers.index(False) if False in answers else len(answers)
+            assert n == want and not any(answers[n:])  # a prefix, closed after the first refusal

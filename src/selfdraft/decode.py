@@ -122,7 +122,7 @@ def generate(
     drafter.begin(list(prompt_ids), step)
     drafter.prompt_len = P
     out = [first]
-    draft_s = None  # EMA of the drafting time, the round's cost besides the forward
+    draft_s = 0.0  # EMA of the drafting time: the round's cost besides the forward
     res.prefill_s = time.perf_counter() - t_start
     if on_tokens:
         on_tokens([first])
@@ -131,11 +131,14 @@ def generate(
         # 2. Draft at most what still fits under max_new_tokens (one slot is kept for the bonus).
         t0 = time.perf_counter()
         budget = min(config.gamma, config.max_new_tokens - len(out) - 1)
-        proposal = drafter.propose(prompt_ids + out, budget, params, gen).truncate(budget).cpu()
+        if scheduler is None:
+            proposal = drafter.propose(prompt_ids + out, budget, params, gen)
+        else:  # ℓ: the drafts the scheduler admits, reading c_1..c_ℓ only (lossless); drafting stops there
+            admission = scheduler.admission(overhead_s=draft_s)
+            proposal = drafter.propose_until(prompt_ids + out, budget, params, gen, admission)
+        proposal = proposal.truncate(budget).cpu()
         t1 = time.perf_counter()
-        if scheduler is not None and proposal.parents is None:  # ℓ reads c_1..c_ℓ only: lossless
-            draft_s = t1 - t0 if draft_s is None else 0.8 * draft_s + 0.2 * (t1 - t0)
-            proposal = proposal.truncate(scheduler.lengths([proposal], overhead_s=draft_s)[0])
+        draft_s = 0.8 * draft_s + 0.2 * (t1 - t0) if draft_s else t1 - t0
         # 3. One target forward over [anchor, d_1..d_γ'] -> logits [γ'+1, V].
         block = torch.cat([torch.tensor([out[-1]]), proposal.tokens])[None]
         past = P + len(out) - 1

@@ -135,6 +135,41 @@ def with_overhead(sps: Callable[[int], float], overhead_s: float) -> Callable[[i
 
 
 @dataclass
+class Admission:
+    """Algorithm 1 (unpadded) or the threshold rule, online for ONE request: `admit(c_k)` is asked for
+    k = 1, 2, .. in order and says whether draft k is verified; after the first False it stays False.
+    Equals `hardware_lengths` / `threshold_lengths` with R = 1 (one request's candidates come in j
+    order, a_j being non-increasing), so a drafter may stop drafting at the first refusal: what it
+    would draft after it is never verified (tests/test_scheduler.py)."""
+
+    sps: Callable[[int], float] | None  # None: the threshold rule
+    threshold: float = 0.0
+    a: float = 1.0  # a_{k-1}
+    B: int = 1  # tokens in the forward: the anchor + drafts admitted
+    tau: float = 1.0  # τ* so far
+    best: float = -1.0
+    closed: bool = False
+
+    def __post_init__(self) -> None:
+        if self.sps is not None:
+            self.best = self.tau * self.sps(self.B)
+
+    def admit(self, c: float) -> bool:
+        if self.closed:
+            return False
+        self.a *= min(max(float(c), 0.0), 1.0)
+        if self.sps is None:
+            ok = self.a >= self.threshold
+        else:
+            theta = (self.tau + self.a) * self.sps(self.B + 1)
+            ok = self.a > 0 and theta > self.best
+            if ok:
+                self.B, self.tau, self.best = self.B + 1, self.tau + self.a, theta
+        self.closed = not ok
+        return ok
+
+
+@dataclass
 class Scheduler:
     """The engine's choice of ℓ_r. kind: fixed (all drafts) | threshold (a_j ≥ threshold) |
     hardware (Algorithm 1 on `cost`, from `selfdraft profile`). padded: price the forward as the
@@ -153,6 +188,14 @@ class Scheduler:
             raise ConfigError("the hardware scheduler needs a cost table: run `selfdraft profile` (profile.load_cost_table)")
         if not 0.0 <= self.threshold <= 1.0:
             raise ConfigError(f"threshold must be in [0, 1], got {self.threshold}")
+
+    def admission(self, overhead_s: float = 0.0) -> Admission | None:
+        """The online rule for one request's round (None: fixed, verify every draft)."""
+        if self.kind == "fixed":
+            return None
+        if self.kind == "threshold":
+            return Admission(None, self.threshold)
+        return Admission(with_overhead(self.cost, overhead_s))
 
     def lengths(self, proposals: Sequence[Proposal], overhead_s: float = 0.0) -> list[int]:
         """ℓ_r for each request's proposal. Drafts without confidences are all verified (fixed).

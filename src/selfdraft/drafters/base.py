@@ -17,6 +17,7 @@ import torch
 from selfdraft.config import SamplingParams
 
 if TYPE_CHECKING:
+    from selfdraft.scheduler import Admission
     from selfdraft.target import Target, TargetStep
     from selfdraft.verify import Verification
 
@@ -72,6 +73,19 @@ class Drafter:
     ) -> Proposal:
         """tokens = prompt + generated so far (the last one is the anchor, not yet verified)."""
         raise NotImplementedError
+
+    def propose_until(self, tokens: list[int], gamma: int, params: SamplingParams, generator: torch.Generator | None,
+                      admission: "Admission | None") -> Proposal:
+        """propose(), cut at the first draft the scheduler's online rule refuses (None: keep all;
+        no confidences: keep all, as the fixed scheduler does). A drafter that can tell c_k before
+        drafting x_k overrides this to stop drafting there."""
+        p = self.propose(tokens, gamma, params, generator)
+        if admission is None or p.confidences is None or p.parents is not None:
+            return p
+        n = 0
+        while n < len(p.tokens) and admission.admit(float(p.confidences[n])):
+            n += 1
+        return p.truncate(n)
 
     def observe(self, verification: "Verification", step: "TargetStep") -> None:
         """After verification: step is sliced to the committed positions ([1, n_accepted + 1, ...]):

@@ -376,9 +376,26 @@ class DFlashDrafter(TrainedDrafter):
     ) -> Proposal:
         return self.propose_many([self], [tokens], [gamma], [params], [generator])[0]
 
+    @torch.inference_mode()
+    def propose_until(self, tokens, gamma, params, generator, admission) -> Proposal:
+        """DSpark: c_1 reads only h_1 and the anchor, so a round whose first draft is not worth
+        verifying (most rounds on a CPU, where verifying 2 tokens costs ~1.6 decodes) skips the LM
+        head and the Markov steps: only the backbone pass is paid."""
+        if admission is None or not self.gives_confidences or min(gamma, self.cfg.gamma) < 1:
+            return super().propose_until(tokens, gamma, params, generator, admission)
+        h = DFlashDrafter.draft_states_many([self], [tokens])  # [1, γ, H]
+        x0 = torch.tensor([tokens[-1]], device=h.device)
+        if not admission.admit(float(self.model.first_confidence(h[:, 0], x0)[0])):
+            return Proposal.empty()
+        p = DFlashDrafter.propose_many([self], [tokens], [gamma], [params], [generator], h=h)[0]
+        n = 1
+        while n < len(p.tokens) and admission.admit(float(p.confidences[n])):
+            n += 1
+        return p.truncate(n)
+
     @staticmethod
     @torch.inference_mode()
-    def propose_many(drafters, tokens, gammas, params, generators) -> list[Proposal]:
+    def propose_many(drafters, tokens, gammas, params, generators, h: torch.Tensor | None = None) -> list[Proposal]:
         """R requests' rounds in one backbone pass and one LM-head matmul; each request keeps its own
         γ_r, sampling parameters and generator (a request draws exactly the samples it would alone)."""
         live = [r for r, g in enumerate(gammas) if min(g, drafters[r].cfg.gamma) > 0]
@@ -388,7 +405,9 @@ class DFlashDrafter(TrainedDrafter):
         model, target = drafters[live[0]].model, drafters[live[0]].target
         g = [min(gammas[r], drafters[r].cfg.gamma) for r in live]
         # 1. Backbone states and logits U_k of every live request's block.
-        h = DFlashDrafter.draft_states_many([drafters[r] for r in live], [tokens[r] for r in live])[:, : max(g)]
+        if h is None:  # h: [R', γ, H] given by propose_until
+            h = DFlashDrafter.draft_states_many([drafters[r] for r in live], [tokens[r] for r in live])
+        h = h[:, : max(g)]
         vocab, rows = drafters[live[0]].vocab, drafters[live[0]].lm_rows  # shared by a batch_key group
         U = lm_logits(target, h) if rows is None else (h.to(rows.dtype) @ rows).float()  # [R', γ, V' or V]
         # 2. Left-to-right choice of x_k (DSpark adds the Markov bias and c_k inside decode_blocks);

@@ -96,6 +96,10 @@ class DSparkModel(DFlashModel):
         x = h if self.markov is None else torch.cat([h, self.markov.W1(prev)], -1)
         return self.confidence(x).squeeze(-1)
 
+    def first_confidence(self, h1: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+        """c_1 = σ(z_1 / T_1) from h_1 [R, d] and the anchor x_0 [R] -> [R], as decode_blocks computes it."""
+        return torch.sigmoid(self._conf_logit(h1, x0).float() / self.conf_temperature[0])
+
     def heads(self, h: torch.Tensor, prev: torch.Tensor) -> HeadOut:
         """Teacher forced: h [..., γ, d], prev [..., γ] ground-truth x_{k-1} -> HeadOut."""
         e = None if self.markov is None else self.markov.teacher_forced(h, prev)
