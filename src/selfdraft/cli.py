@@ -756,7 +756,7 @@ def export_cmd(
 def serve_cmd(
     target: Optional[str] = TargetOpt,
     drafter: str = typer.Option("ngram", "--drafter", "-d", help="registry name (none, ngram) or a checkpoint dir"),
-    scheduler: str = typer.Option("fixed", "--scheduler", help="fixed | threshold | hardware (needs `selfdraft profile`)"),
+    scheduler: str = SchedulerOpt,
     threshold: float = typer.Option(0.5, "--threshold", help="a_j threshold of the threshold scheduler"),
     host: str = typer.Option("127.0.0.1", "--host", help="bind address (loopback by default)"),
     port: int = typer.Option(8000, "--port"),
@@ -776,8 +776,7 @@ def serve_cmd(
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, streaming) on the batched speculative engine."""
     from selfdraft.engine import drafter_factory
-    from selfdraft.profile import load_cost_table
-    from selfdraft.scheduler import Scheduler
+    from selfdraft.profile import scheduler_for
     from selfdraft.serve import EngineLoop, ServerMetrics, create_app, run_server
     from selfdraft.target import TargetError
 
@@ -787,15 +786,16 @@ def serve_cmd(
             raise ConfigError("--max-concurrency, --max-batch and --max-body-size must be >= 1")
         _check_gamma(gamma)
         tgt = _load_target(target, dtype, backend, weights, device)
-        sched = Scheduler(scheduler, threshold=threshold,
-                          cost=load_cost_table(tgt, tgt.profile_key) if scheduler == "hardware" else None)
         make = drafter_factory(drafter, tgt)
+        batch = max_batch or max_concurrency
+        sched = scheduler_for(scheduler, tgt, make(), gamma, threshold, log=lambda m: print(m, file=sys.stderr),
+                              batch_tokens=min(128, batch * (gamma + 1)))
         name = model_name or Path(tgt.name).name
-        runner = EngineLoop(tgt, make, make().name, sched, max_batch or max_concurrency, max_concurrency,
+        runner = EngineLoop(tgt, make, make().name, sched, batch, max_concurrency,
                             ServerMetrics(gamma))
     except (ConfigError, TargetError, OSError) as e:
         _fail(str(e))
-    print(f"serving {name!r} with drafter {runner.drafter_name} ({drafter}), scheduler {scheduler}, on "
+    print(f"serving {name!r} with drafter {runner.drafter_name} ({drafter}), scheduler {sched.kind if sched else 'fixed'}, on "
           f"http://{host}:{port}/v1{' (API key required)' if api_key else ''}", file=sys.stderr)
     run_server(create_app(runner, name, api_key, gamma=gamma, shutdown_grace_s=shutdown_grace,
                           max_body_bytes=max_body_size), host, port, shutdown_grace, log_level)

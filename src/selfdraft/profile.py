@@ -108,7 +108,8 @@ def load_cost_table(target: Target, dtype: str) -> CostTable:
 
 def cost_table_for(target: Target, max_tokens: int, log=None) -> CostTable:
     """The stored SPS(B) of this target, backend, dtype and thread count when it covers B up to
-    max_tokens; otherwise a quick one is measured (B = 1..max_tokens, KV 256, a few seconds) and stored."""
+    max_tokens; otherwise a quick one is measured (B = 1..max_tokens, geometric above 16; KV 256;
+    seconds) and stored."""
     path = profile_path(target, target.profile_key)
     if path.exists():
         try:
@@ -118,15 +119,19 @@ def cost_table_for(target: Target, max_tokens: int, log=None) -> CostTable:
         except (TypeError, ValueError):  # an older or damaged file: measure again
             pass
     t0 = time.perf_counter()
-    prof = measure_sps(target, target.profile_key, list(range(1, max_tokens + 1)), kv_len=256, repeats=2)
+    bs = list(range(1, max_tokens + 1)) if max_tokens <= 16 else geometric_batch_tokens(max_tokens)
+    prof = measure_sps(target, target.profile_key, bs, kv_len=256, repeats=2)
     save_profile(prof, path)
     if log is not None:
         log(f"measured SPS(B) for the hardware scheduler in {time.perf_counter() - t0:.1f}s -> {path}")
     return prof.cost_table()
 
 
-def scheduler_for(kind: str, target: Target, drafter, gamma: int, threshold: float = 0.5, log=None) -> Scheduler | None:
-    """The Scheduler a single-request command runs (None: verify every draft).
+def scheduler_for(kind: str, target: Target, drafter, gamma: int, threshold: float = 0.5, log=None,
+                  batch_tokens: int | None = None) -> Scheduler | None:
+    """The Scheduler a command runs (None: verify every draft). batch_tokens: None for one request
+    (generate, bench, demo: Algorithm 1 online, unpadded); the largest forward for the batched
+    engine (serve: its padded pricing).
 
     auto = hardware for a drafter that gives confidences c_k (DSpark), else every draft: on a
     machine where verifying k tokens costs much more than decoding one (CPU), DSpark then verifies
@@ -137,8 +142,8 @@ def scheduler_for(kind: str, target: Target, drafter, gamma: int, threshold: flo
         kind = "hardware" if getattr(drafter, "gives_confidences", False) and gamma > 0 else "fixed"
     if kind == "fixed":
         return None
-    cost = cost_table_for(target, gamma + 1, log) if kind == "hardware" else None
-    return Scheduler(kind, threshold=threshold, cost=cost, padded=False)
+    cost = cost_table_for(target, batch_tokens or gamma + 1, log) if kind == "hardware" else None
+    return Scheduler(kind, threshold=threshold, cost=cost, padded=batch_tokens is not None)
 
 
 def plot_profile(profile: Profile, png: Path) -> None:
