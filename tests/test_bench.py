@@ -135,6 +135,10 @@ def test_drafter_specs(tmp_path):
     assert parse_drafter_spec(str(ck)) == DrafterSpec("dspark", str(ck))
     assert parse_drafter_spec(f"mine:{ck}") == DrafterSpec("mine", str(ck))
     assert parse_drafter_spec("plain:none") == DrafterSpec("plain", "none")
+    assert parse_drafter_spec(f"all:{ck}@fixed") == DrafterSpec("all", str(ck), "fixed")  # per-runner scheduler
+    assert parse_drafter_spec("ngram@hardware") == DrafterSpec("ngram", "ngram", "hardware")
+    with pytest.raises(ConfigError, match="unknown drafter 'ngram@psychic'"):
+        parse_drafter_spec("ngram@psychic")
     with pytest.raises(ConfigError, match="unknown drafter 'eagle'"):
         parse_drafter_spec("eagle")
     with pytest.raises(ConfigError, match="neither a drafter name"):

@@ -557,7 +557,7 @@ def checkpoint_sizes(out: Path) -> str:
 def bench_cmd(
     out: Path = typer.Option(..., "--out", "-o", help="output dir: results.json, report.md, PNG plots"),
     target: Optional[str] = TargetOpt,
-    drafters: str = typer.Option("none,ngram", "--drafters", help="comma list: NAME | LABEL:DIR | DIR (checkpoint)"),
+    drafters: str = typer.Option("none,ngram", "--drafters", help="comma list: NAME | LABEL:DIR | DIR (checkpoint), each with an optional @SCHEDULER"),
     datasets: str = typer.Option("mt-bench,humaneval,gsm8k", "--datasets", help="comma list of bundled names or JSONL paths"),
     num_prompts: int = typer.Option(10, "--num-prompts", help="first N prompts of each dataset"),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),

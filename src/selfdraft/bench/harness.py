@@ -71,15 +71,23 @@ class DrafterSpec:
 
     label: str
     source: str  # registry name (none, ngram) or a checkpoint directory
+    scheduler: str | None = None  # this runner's --scheduler (None: the run's)
 
 
 def parse_drafter_spec(text: str) -> DrafterSpec:
-    """`name` | `label:DIR` | `DIR` (label = the checkpoint's method from config.json, else the dir name)."""
+    """`name` | `label:DIR` | `DIR` (label = the checkpoint's method from config.json, else the dir
+    name), each optionally followed by `@SCHEDULER` (e.g. `dspark-fixed:checkpoints/dspark@fixed`)."""
+    from dataclasses import replace
+
     from selfdraft.drafters import REGISTRY
+    from selfdraft.scheduler import SCHEDULERS
 
     text = text.strip()
     if not text:
         raise ConfigError("empty drafter spec")
+    head, at, kind = text.rpartition("@")
+    if at and kind in SCHEDULERS + ("auto",) and head:
+        return replace(parse_drafter_spec(head), scheduler=kind)
     if text in REGISTRY:
         return DrafterSpec(text, text)
     path = Path(text).expanduser()
@@ -245,7 +253,8 @@ def _our_runner(target: "Target", spec: DrafterSpec, cfg: BenchConfig) -> Runner
     from selfdraft.profile import scheduler_for
 
     drafter = load_drafter(spec.source, target)
-    scheduler = scheduler_for(cfg.scheduler, target, drafter, cfg.gamma, log=lambda m: print(m, file=sys.stderr))
+    scheduler = scheduler_for(spec.scheduler or cfg.scheduler, target, drafter, cfg.gamma,
+                              log=lambda m: print(m, file=sys.stderr))
 
     def run(ids: list[int], seed: int, max_new_tokens: int) -> Sample:
         params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, seed=seed)
