@@ -322,13 +322,16 @@ def test_scheduler_for_auto_measures_once_and_picks_by_drafter(tmp_path, monkeyp
     target = Target(tiny_llama(vocab=32, hidden=16, layers=2))
     conf = AppendixADrafter(32, m=0)
     conf.gives_confidences = True
-    assert scheduler_for("auto", target, load_drafter("ngram", target), 3) is None  # no c_k: verify all
+    ngram = load_drafter("ngram", target)
+    assert scheduler_for("auto", target, load_drafter("none", target), 3) is None
+    assert scheduler_for("auto", target, ngram, 3, batch_tokens=16) is None  # engine: no c_k, verify all
     logs: list[str] = []
     s = scheduler_for("auto", target, conf, 3, log=logs.append)
     assert s.kind == "hardware" and s.cost.batch_tokens == (1, 2, 3, 4) and len(logs) == 1
     assert profile_path(target, target.profile_key).exists()
     assert scheduler_for("hardware", target, conf, 3, log=logs.append).cost == s.cost and len(logs) == 1  # reused
     assert scheduler_for("threshold", target, conf, 3, threshold=0.3).threshold == 0.3
+    assert scheduler_for("auto", target, ngram, 3).kind == "hardware"  # one request: its own past acceptance
     with pytest.raises(ConfigError, match="scheduler must be"):
         scheduler_for("bogus", target, conf, 3)
 
@@ -345,3 +348,52 @@ def test_online_admission_equals_algorithm1_and_threshold_for_one_request():
             answers = [adm.admit(float(x)) for x in c]
             n = answers.index(False) if False in answers else len(answers)
             assert n == want and not any(answers[n:])  # a prefix, closed after the first refusal
+
+
+def test_acceptance_history_counts_conditional_acceptance_and_explores():
+    from selfdraft.scheduler import AcceptanceHistory, Admission
+
+    h = AcceptanceHistory(gamma=4, explore=3)
+    h.update(verified=3, accepted=1)  # draft 1 accepted, draft 2 rejected, draft 3 never reached
+    h.update(verified=4, accepted=4)
+    assert h.tried == [2, 2, 1, 1] and h.accepted == [2, 1, 1, 1]
+    never = CostTable((1, 2), (1.0, 0.01))  # verifying anything costs 100 decodes
+    got = [h.admitted(Admission(never), 4) for _ in range(8)]
+    assert got == [0, 0, 0, 1, 0, 0, 0, 1]  # idle rounds, then one draft to re-measure
+    free = CostTable((1, 5), (1.0, 1.0))
+    assert h.admitted(Admission(free), 4) == 4 and h.admitted(Admission(free), 2) == 2
+
+
+class BlindDrafter(AppendixADrafter):
+    """The same uniform drafts with no confidences: ℓ comes from the request's past acceptance."""
+
+    def propose(self, tokens, gamma, params, generator):
+        p = super().propose(tokens, gamma, params, generator)
+        return Proposal(p.tokens, p.q) if gamma else p
+
+
+def test_history_cut_for_drafters_without_confidences_is_exact():
+    """Joint law of the first two tokens through generate, ℓ from past acceptance (chi-square),
+    and greedy output equal to plain decoding."""
+    from selfdraft.decode import generate
+
+    target = Target(tiny_llama(vocab=V_SMALL, hidden=16, layers=2, seed=1, peaked=1.0))
+    prompt, cfg = [1, 3, 2], GenerationConfig(max_new_tokens=8, gamma=2, stop_on_eos=False)
+    sched = Scheduler("hardware", cost=RISE, padded=False)
+    params = SamplingParams(temperature=1.0)
+    with torch.no_grad():
+        p1 = probs_from_logits(target.model(torch.tensor([prompt])).logits[0, -1], params)
+        law = {(a, b): float(p1[a] * probs_from_logits(target.model(torch.tensor([prompt + [a]])).logits[0, -1], params)[b])
+               for a in range(V_SMALL) for b in range(V_SMALL)}
+    counts, lengths = dict.fromkeys(law, 0), set()
+    for s in range(500):
+        res = generate(target, BlindDrafter(V_SMALL, m=0), prompt, SamplingParams(temperature=1.0, seed=s), cfg,
+                       scheduler=sched)
+        counts[tuple(res.token_ids[:2])] += 1
+        lengths |= {r.proposed for r in res.rounds}
+    total = sum(law.values())
+    assert chisquare(list(counts.values()), [law[k] / total * 500 for k in counts]).pvalue > 1e-3
+    assert {0, 1} <= lengths  # the history did cut some rounds and keep others
+    plain = generate(target, BlindDrafter(V_SMALL, m=0), prompt, SamplingParams(seed=0), cfg)
+    cut = generate(target, BlindDrafter(V_SMALL, m=0), prompt, SamplingParams(seed=0), cfg, scheduler=sched)
+    assert cut.token_ids == plain.token_ids

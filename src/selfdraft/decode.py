@@ -11,7 +11,7 @@ import torch
 from selfdraft.config import GenerationConfig, SamplingParams
 from selfdraft.drafters.base import Drafter, Proposal
 from selfdraft.sampling import block_contexts, probs_from_logits, process_logits
-from selfdraft.scheduler import Scheduler
+from selfdraft.scheduler import AcceptanceHistory, Scheduler
 from selfdraft.target import Target, TargetError, TargetStep
 from selfdraft.tree import commit_path, depths, tree_inputs
 from selfdraft.verify import Verification, verify_chain, verify_greedy, verify_tree
@@ -123,6 +123,7 @@ def generate(
     drafter.prompt_len = P
     out = [first]
     draft_s = 0.0  # EMA of the drafting time: the round's cost besides the forward
+    history = AcceptanceHistory(config.gamma)  # ĉ_k for drafters without confidences
     res.prefill_s = time.perf_counter() - t_start
     if on_tokens:
         on_tokens([first])
@@ -136,6 +137,8 @@ def generate(
         else:  # ℓ: the drafts the scheduler admits, reading c_1..c_ℓ only (lossless); drafting stops there
             admission = scheduler.admission(overhead_s=draft_s)
             proposal = drafter.propose_until(prompt_ids + out, budget, params, gen, admission)
+            if admission is not None and proposal.confidences is None and proposal.parents is None:
+                proposal = proposal.truncate(history.admitted(admission, len(proposal.tokens)))  # no c_k: the past
         proposal = proposal.truncate(budget).cpu()
         t1 = time.perf_counter()
         draft_s = 0.8 * draft_s + 0.2 * (t1 - t0) if draft_s else t1 - t0
@@ -160,6 +163,8 @@ def generate(
         target.rollback(cache, P + len(out) - 1)
         # 7. The drafter sees the target's states at the newly committed positions.
         drafter.observe(v, _slice_step(step, v.num_accepted + 1))
+        if proposal.parents is None:
+            history.update(len(proposal.tokens), v.num_accepted)
         depth = len(proposal.tokens) if proposal.parents is None or not len(proposal.tokens) else int(depths(proposal.parents).max())
         res.rounds.append(RoundStats(len(proposal.tokens), v.num_accepted, t1 - t0, time.perf_counter() - t1, depth))
         if on_tokens:

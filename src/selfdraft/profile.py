@@ -133,13 +133,16 @@ def scheduler_for(kind: str, target: Target, drafter, gamma: int, threshold: flo
     (generate, bench, demo: Algorithm 1 online, unpadded); the largest forward for the batched
     engine (serve: its padded pricing).
 
-    auto = hardware for a drafter that gives confidences c_k (DSpark), else every draft: on a
-    machine where verifying k tokens costs much more than decoding one (CPU), DSpark then verifies
-    only the drafts worth their cost (docs/scheduler.md), instead of γ every round."""
+    auto = hardware: on a machine where verifying k tokens costs much more than decoding one (CPU),
+    a request verifies only the drafts worth their cost (docs/scheduler.md) instead of γ every
+    round, judged by DSpark's confidences c_k or, for the other drafters, by the request's own past
+    acceptance per position (`AcceptanceHistory`; single requests only, the engine verifies their
+    drafts in full)."""
     if kind not in SCHEDULERS + ("auto",):
         raise ConfigError(f"scheduler must be auto or one of {SCHEDULERS}, got {kind!r}")
     if kind == "auto":
-        kind = "hardware" if getattr(drafter, "gives_confidences", False) and gamma > 0 else "fixed"
+        adaptive = getattr(drafter, "gives_confidences", False) or batch_tokens is None
+        kind = "hardware" if adaptive and gamma > 0 and drafter.name != "none" else "fixed"
     if kind == "fixed":
         return None
     cost = cost_table_for(target, batch_tokens or gamma + 1, log) if kind == "hardware" else None

@@ -170,6 +170,40 @@ class Admission:
 
 
 @dataclass
+class AcceptanceHistory:
+    """Confidences for a drafter that gives none (n-gram, DFlash, MTP, EAGLE-3 chains): ĉ_k = the
+    request's own past acceptance at position k, (accepted_k + 2) / (tried_k + 3) (a prior of 2/3:
+    the first rounds try). Lossless: ℓ then reads only past rounds, never this round's drafts.
+    A request the rule has stopped verifying re-tries one draft every `explore` rounds, so a later
+    copy-heavy stretch is noticed."""
+
+    gamma: int
+    explore: int = 16
+    tried: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    idle: int = 0  # rounds since a draft was last verified
+
+    def __post_init__(self) -> None:
+        self.tried, self.accepted = [0] * self.gamma, [0] * self.gamma
+
+    def admitted(self, admission: Admission, n: int) -> int:
+        """ℓ ≤ n drafts to verify this round, by the online rule on ĉ_1..ĉ_n."""
+        ell = 0
+        while ell < min(n, self.gamma) and admission.admit((self.accepted[ell] + 2) / (self.tried[ell] + 3)):
+            ell += 1
+        if ell == 0 and n > 0 and self.idle >= self.explore:
+            ell = 1
+        self.idle = 0 if ell else self.idle + 1
+        return ell
+
+    def update(self, verified: int, accepted: int) -> None:
+        """A round verified `verified` drafts of a chain and accepted the first `accepted`."""
+        for k in range(min(verified, accepted + 1, self.gamma)):  # draft k+1 was reached
+            self.tried[k] += 1
+            self.accepted[k] += k < accepted
+
+
+@dataclass
 class Scheduler:
     """The engine's choice of ℓ_r. kind: fixed (all drafts) | threshold (a_j ≥ threshold) |
     hardware (Algorithm 1 on `cost`, from `selfdraft profile`). padded: price the forward as the
