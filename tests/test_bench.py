@@ -275,7 +275,7 @@ def test_llamacpp_peers_run_beside_ours_and_are_stopped(tiny_target, tmp_path, m
         got = [s for s in r.samples if s.label == label]
         assert len(got) == 2 and all(s.token_ids == [0, 1, 2, 3, 4] for s in got)
     started = [json.loads(line) for line in log.read_text().splitlines()]
-    assert [("--spec-ngram-mod-n-max" in x["argv"]) for x in started] == [False, True]
+    assert [("ngram-simple" in x["argv"]) for x in started] == [False, True]
     assert all(x["argv"][x["argv"].index("-m") + 1] == str(gguf) for x in started)
     for x in started:  # stopped (terminated and reaped) when the run ended
         with pytest.raises(ProcessLookupError):

@@ -393,7 +393,7 @@ def _llamacpp_runners(target: "Target", cfg: BenchConfig, servers: list) -> list
             finish = "eos" if r.get("stop_type") == "eos" else "length"
             return Sample(label, "", -1, -1, len(new), time.perf_counter() - t0, new, finish_reason=finish)
 
-        spec = f" --spec-type ngram-mod --spec-ngram-mod-n-max {ngram}" if ngram else ""
+        spec = f" --spec-type ngram-simple --spec-ngram-simple-size-m {ngram}" if ngram else ""
         out.append(Runner(label, "llama.cpp", f"{Path(binary).name} -m {gguf.name}{spec}", run))
     return out
 

@@ -51,8 +51,9 @@ class LlamaServer:
     def start(self, timeout_s: float = 180.0) -> "LlamaServer":
         args = [self.binary, "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(self.port),
                 "-t", str(self.threads), "-tb", str(self.threads), "-c", "4096", "-np", "1", "--no-webui"]
-        if self.ngram:
-            args += ["--spec-type", "ngram-mod", "--spec-ngram-mod-n-max", str(self.ngram)]
+        if self.ngram:  # prompt lookup: match the last 2 tokens, draft up to γ (HF's prompt lookup alike)
+            args += ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "2",
+                     "--spec-ngram-simple-size-m", str(self.ngram)]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
