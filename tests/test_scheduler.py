@@ -203,6 +203,8 @@ def test_appendix_a_global_search_is_biased_early_stop_is_exact():
 class AppendixADrafter(Drafter):
     """Drafts uniformly at random (q uniform over V); c_1 = 0.5, c_2 = 1 if x_1 == m else 0.01."""
 
+    gives_confidences = True
+
     def __init__(self, vocab: int, m: int) -> None:
         self.vocab, self.m = vocab, m
 
@@ -366,6 +368,8 @@ def test_acceptance_history_counts_conditional_acceptance_and_explores():
 
 class BlindDrafter(AppendixADrafter):
     """The same uniform drafts with no confidences: ℓ comes from the request's past acceptance."""
+
+    gives_confidences = False
 
     def propose(self, tokens, gamma, params, generator):
         p = super().propose(tokens, gamma, params, generator)

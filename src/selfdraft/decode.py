@@ -132,13 +132,14 @@ def generate(
         # 2. Draft at most what still fits under max_new_tokens (one slot is kept for the bonus).
         t0 = time.perf_counter()
         budget = min(config.gamma, config.max_new_tokens - len(out) - 1)
-        if scheduler is None:
+        if scheduler is None or drafter.drafts_trees:  # a tree is verified whole (priced by its nodes, not ℓ)
             proposal = drafter.propose(prompt_ids + out, budget, params, gen)
-        else:  # ℓ: the drafts the scheduler admits, reading c_1..c_ℓ only (lossless); drafting stops there
-            admission = scheduler.admission(overhead_s=draft_s)
-            proposal = drafter.propose_until(prompt_ids + out, budget, params, gen, admission)
-            if admission is not None and proposal.confidences is None and proposal.parents is None:
-                proposal = proposal.truncate(history.admitted(admission, len(proposal.tokens)))  # no c_k: the past
+        elif drafter.gives_confidences:  # ℓ read from c_1..c_ℓ only (lossless); drafting stops there
+            proposal = drafter.propose_until(prompt_ids + out, budget, params, gen, scheduler.admission(draft_s))
+        else:  # no c_k: ℓ from this request's past rounds, chosen before drafting (ℓ = 0 drafts nothing)
+            admission = scheduler.admission(draft_s)
+            ell = budget if admission is None else history.admitted(admission, budget)
+            proposal = drafter.propose(prompt_ids + out, ell, params, gen)  # ℓ = 0: only the drafter's bookkeeping
         proposal = proposal.truncate(budget).cpu()
         t1 = time.perf_counter()
         draft_s = 0.8 * draft_s + 0.2 * (t1 - t0) if draft_s else t1 - t0

@@ -60,6 +60,7 @@ class Drafter:
     feature_layers: tuple[int, ...] = ()  # target layers whose hidden states this drafter reads
     prompt_len: int = 0  # set by the decoding loop after begin(): penalties count tokens[prompt_len:]
     gives_confidences: bool = False  # proposals carry c_k (a confidence head): a scheduler can use them
+    drafts_trees: bool = False  # proposals are draft trees (verified whole; no ℓ cut)
 
     def generated(self, tokens: list[int]) -> list[int]:
         """The generated part of `tokens` (prompt + output): what presence/frequency penalties count."""

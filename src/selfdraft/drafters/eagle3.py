@@ -228,6 +228,10 @@ class Eagle3Drafter(TrainedDrafter):
         self.ctx_len = 0
         self.pending: torch.Tensor | None = None  # [n, H] fused features of slots not yet cached
 
+    @property
+    def drafts_trees(self) -> bool:
+        return bool(self.cfg.tree_depth)
+
     def set_tree(self, depth: int, top_k: int = 10, total_tokens: int = 60) -> None:
         """Switch to EAGLE-2 tree drafting (depth 0 = chain), validated like the config."""
         self.cfg = replace(self.cfg, tree_depth=depth, tree_top_k=top_k, tree_total_tokens=total_tokens)
