@@ -36,7 +36,8 @@ def load(dir: str):
     # sentinel, and its EAGLE-3 load_verifier_weights fills only a NaN tensor; transformers 5 builds the
     # model on the meta device and then allocates those tensors uninitialised, so the sentinel is lost
     # and EAGLE-3 drafted from whatever memory the embedding got (speculators' MTP re-sets the sentinel
-    # itself for this reason). Re-set it for every such tensor the checkpoint does not ship.
+    # itself for this reason; speculators PR #962 dropped the guard for DFlash / DSpark). Re-set it for
+    # every such tensor the checkpoint does not ship, so `nan` below catches one the verifier did not fill.
     with safe_open(f"{dir}/model.safetensors", "pt") as f:
         shipped = {k.removeprefix("model.") for k in f.keys()}
     state = model.state_dict()
@@ -120,8 +121,9 @@ def causal(n: int) -> torch.Tensor:
 
 @torch.no_grad()
 def eagle3(model, config, x: dict, forced, gamma: int) -> tuple:
-    """Slots 0..n-1 read (embed x_{s+1}, fc(features_s)); draft step j reads (embed d_j, output of step j-1)
-    at the next position; causal over the whole sequence, recomputed per step."""
+    """vLLM's EAGLE-3 proposer, with speculators' layer: slots 0..n-1 read (embed x_{s+1}, fc(features_s)) at
+    position s; draft step j reads (embed d_j, the pre-norm output of step j-1) one position further;
+    causal over the whole sequence, recomputed per step (the same as vLLM's KV cache)."""
     ids, feats = x["ids"], x["features"]
     n = feats.shape[0]
     g = model.fc(feats)  # [n, H]

@@ -27,8 +27,8 @@ from tests.conftest import tiny_llama
 
 V = 96  # tiny_llama's vocabulary
 CONFIGS = {  # every exported method in vLLM's layout; small but with every head switched on
-    "eagle3": dict(method="eagle3", gamma=4, draft_vocab_size=64),
-    "eagle3-full": dict(method="eagle3", gamma=3, draft_vocab_size=0),
+    "eagle3": dict(method="eagle3", gamma=4, draft_vocab_size=64, feature_layers=(0, 1, 2)),  # vLLM's Llama EAGLE-3 fuses 3
+    "eagle3-full": dict(method="eagle3", gamma=3, draft_vocab_size=0, feature_layers=(0, 1, 2)),
     "dflash": dict(method="dflash", gamma=4, num_layers=2, anchor_as_first=False, qk_norm=True, mask_token_id=V - 1),
     "dspark": dict(method="dspark", gamma=4, markov_rank=8, markov_head="rnn", qk_norm=True, mask_token_id=7),
     "dspark-gated": dict(method="dspark", gamma=4, markov_rank=8, markov_head="gated", qk_norm=True, mask_token_id=V - 1),
@@ -117,7 +117,7 @@ def test_round_trip_gives_identical_drafts(target, name, tmp_path):
         assert ({"d2t", "t2d"} <= weights.keys()) == reduced and ({"d2t", "t2d"} & weights.keys() == set()) != reduced
         if reduced:
             assert weights["t2d"].dtype == torch.bool and weights["d2t"].dtype == torch.int64
-        assert spec["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in STRATEGIES["eagle3"].default_feature_layers(target)]
+        assert spec["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     if method in ("dflash", "dspark"):
         assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_norm.weight"} <= weights.keys()
         assert spec["mask_token_id"] == CONFIGS[name]["mask_token_id"]
@@ -175,6 +175,7 @@ REFUSED = {  # drafters vLLM would not run as trained -> the DrafterConfig value
     "dflash-learned-mask": (dict(method="dflash", gamma=4, anchor_as_first=False, qk_norm=True), {"mask_token_id": V - 1}),
     "mtp-deepseek": (dict(method="mtp", gamma=3, mtp_modules=2, qk_norm=True), {"mtp_modules": 1, "mtp_normed_handoff": True}),
     "mtp-no-qk": (dict(method="mtp", gamma=1), {"qk_norm": True}),
+    "eagle3-two-layers": (dict(method="eagle3", gamma=3, feature_layers=(0, 2)), {"feature_layers": [0, 1, 2]}),
 }
 
 
