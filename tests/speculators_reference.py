@@ -31,7 +31,10 @@ def load(dir: str):
     config = SpeculatorModelConfig.from_pretrained(dir)
     config.transformer_layer_config._attn_implementation = "eager"  # plain masks on CPU
     cls = SpeculatorModel.registered_model_class_from_config(config)
-    model, info = super(SpeculatorModel, cls).from_pretrained(dir, config=config, output_loading_info=True)
+    # float32: the function of the shipped tensors (vLLM computes in the served dtype; config.json's
+    # torch_dtype, the drafter's, would round float32 verifier LM-head rows to bf16 here)
+    model, info = super(SpeculatorModel, cls).from_pretrained(dir, config=config, output_loading_info=True,
+                                                              dtype=torch.float32)  # fmt: skip
     # speculators marks the tensors the verifier supplies (embedding, a full-vocabulary LM head) with a NaN
     # sentinel, and its EAGLE-3 load_verifier_weights fills only a NaN tensor; transformers 5 builds the
     # model on the meta device and then allocates those tensors uninitialised, so the sentinel is lost

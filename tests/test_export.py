@@ -34,8 +34,10 @@ CONFIGS = {  # every exported method in vLLM's layout; small but with every head
     "dspark-gated": dict(method="dspark", gamma=4, markov_rank=8, markov_head="gated", qk_norm=True, mask_token_id=V - 1),
     "dspark-vanilla": dict(method="dspark", gamma=3, markov_rank=8, qk_norm=True, mask_token_id=0),
     "mtp": dict(method="mtp", gamma=3, qk_norm=True, mtp_normed_handoff=True),
+    # stored in bf16 like the shipped drafters, for a float32 target whose LM-head rows bf16 would round
+    "dspark-bf16": dict(method="dspark", gamma=3, markov_rank=8, qk_norm=True, mask_token_id=3),
 }
-DRAFT_VOCAB = {"dspark": 40, "dflash": 50}  # checkpoints that carry an inference draft vocabulary of this size
+DRAFT_VOCAB = {"dspark": 40, "dflash": 50, "dspark-bf16": 30}  # checkpoints with an inference draft vocabulary of this size
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +67,8 @@ def make_checkpoint(target: Target, name: str, dir, config: dict | None = None) 
         cfg.feature_layers = strategy.default_feature_layers(target)
     model = strategy.build(cfg, target).float()
     _randomise(model, seed=len(name))
+    if name.endswith("-bf16"):
+        model = model.to(torch.bfloat16)
     with atomic_dir(dir) as tmp:  # (save_checkpoint refuses MTP's empty feature_layers; the trainer writes it this way)
         write_checkpoint_files(tmp, model, cfg, target, {"test": name})
         if name in DRAFT_VOCAB:  # a draft vocabulary that is not a prefix of the target's
@@ -127,12 +131,13 @@ def test_round_trip_gives_identical_drafts(target, name, tmp_path):
         assert ({"lm_head.weight", "d2t", "t2d"} <= weights.keys()) == bool(n)
         if n:
             ids = DraftVocab.load(Path(src) / DRAFT_VOCAB_FILE).target_ids
-            assert torch.equal(weights["lm_head.weight"], target.model.lm_head.weight[ids])
+            assert torch.equal(weights["lm_head.weight"], target.model.lm_head.weight[ids])  # the verifier's rows, unrounded
             assert torch.equal(weights["d2t"] + torch.arange(n), ids) and torch.equal(weights["t2d"].nonzero().flatten(), ids)
     if method == "dspark":
         assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight"} <= weights.keys()
         assert weights["markov_head.markov_w2.weight"].shape[0] == spec["draft_vocab_size"]
-        assert spec["selfdraft"]["confidence_temperatures"] == pytest.approx(torch.linspace(0.8, 1.6, spec["block_size"]).tolist())
+        temps = torch.linspace(0.8, 1.6, spec["block_size"]).to(torch.bfloat16 if name.endswith("-bf16") else torch.float32)
+        assert spec["selfdraft"]["confidence_temperatures"] == pytest.approx(temps.float().tolist())
     if method == "mtp":
         assert {"mtp_layers.0.input_proj.weight", "mtp_layers.0.token_layernorm.weight", "mtp_layers.0.self_attn.q_norm.weight"} <= weights.keys()
 
@@ -429,7 +434,7 @@ VALIDATE = textwrap.dedent("""
 def test_config_validates_with_speculators_classes(target, tmp_path):
     outs = _export_all(target, tmp_path)
     res = subprocess.run([speculators_python(), "-c", VALIDATE, *[str(o / "config.json") for o in outs.values()]],
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+                         capture_output=True, text=True, timeout=900)  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.count(" ok") == len(outs), res.stdout
 

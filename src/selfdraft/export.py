@@ -465,9 +465,13 @@ def export_speculators(
         ids = trained.cpu().long() if trained is not None and trained.numel() else draft_vocab_ids(src_dir, target)
     if ids is not None:
         # The format requires the reduced LM head: neither speculators nor vLLM slices the verifier's.
-        dtype = tensors["fc.weight"].dtype
+        # These are the verifier's rows, exactly: in the drafter's dtype where that is lossless (a bf16
+        # verifier), else in the target's (the embedded target holds dequantised GGUF values, which
+        # bf16 would round by up to 4e-3, and our import would no longer recognise as the target's).
         lm = target.model.get_output_embeddings().weight.detach()
-        tensors["lm_head.weight"] = lm[ids.to(lm.device)].to("cpu", dtype).contiguous()
+        rows = lm[ids.to(lm.device)].cpu()
+        small = rows.to(tensors["fc.weight"].dtype)
+        tensors["lm_head.weight"] = (small if torch.equal(small.to(rows.dtype), rows) else rows).contiguous()
         tensors["d2t"], tensors["t2d"] = vocab_maps(ids, target.vocab_size)
         w2 = tensors.get("markov_head.markov_w2.weight")
         if w2 is not None and w2.shape[0] == target.vocab_size:  # the bias is over the draft vocabulary too
