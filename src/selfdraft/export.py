@@ -24,7 +24,8 @@ Conventions (speculators 0.9.0 and vLLM's loaders):
   the input of decoder layer i); ours are 0-based decoder-layer outputs. So aux id = ours + 1.
 - Nothing the verifier provides is shipped (its embedding, its LM head, its final norm: speculators
   and vLLM take them from the verifier), except where the format requires it: a reduced draft
-  vocabulary's `lm_head` rows (neither runtime derives them from the verifier's head).
+  vocabulary's `lm_head` rows (neither runtime derives them from the verifier's head), at the
+  verifier's precision.
 - EAGLE-3: Llama (or Qwen3 with qk_norm) layer `layers.0.*`, `fc` (vLLM's Llama module: exactly 3 fused
   target layers), `norm`, its own `lm_head` over the
   draft vocabulary, `d2t` (int64 offsets, target = draft + d2t[draft]) and `t2d` (bool mask), both only
