@@ -6,7 +6,7 @@ so it usually lives in a separate virtual environment):
 CASES.json: [{"dir": exported checkpoint, "inputs": safetensors with ids [n+1], features [n, F], last_hidden
 [n, H], optional forced [γ]} or {"dir", "report_only": true}, ...]. For case i, OUT holds i.tokens [γ] (target ids), i.logits [γ, V]
 (-inf outside the draft vocabulary), i.conf [γ] (empty without a confidence head); stdout ends with one
-JSON line: per case the load report {missing, unexpected, mismatched, nan} of speculators' loader.
+JSON line: per case the load report {missing, unexpected, mismatched, nan, not_shipped} of speculators' loader.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import json
 import sys
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 
@@ -30,7 +31,23 @@ def load(dir: str):
     config = SpeculatorModelConfig.from_pretrained(dir)
     config.transformer_layer_config._attn_implementation = "eager"  # plain masks on CPU
     cls = SpeculatorModel.registered_model_class_from_config(config)
-    model, info = super(SpeculatorModel, cls).from_pretrained(dir, config=config, output_loading_info=True)
+    # float32: the function of the shipped tensors (vLLM computes in the served dtype; config.json's
+    # torch_dtype, the drafter's, would round float32 verifier LM-head rows to bf16 here)
+    model, info = super(SpeculatorModel, cls).from_pretrained(dir, config=config, output_loading_info=True,
+                                                              dtype=torch.float32)  # fmt: skip
+    # speculators marks the tensors the verifier supplies (embedding, a full-vocabulary LM head) with a NaN
+    # sentinel, and its EAGLE-3 load_verifier_weights fills only a NaN tensor; transformers 5 builds the
+    # model on the meta device and then allocates those tensors uninitialised, so the sentinel is lost
+    # and EAGLE-3 drafted from whatever memory the embedding got (speculators' MTP re-sets the sentinel
+    # itself for this reason; speculators PR #962 dropped the guard for DFlash / DSpark). Re-set it for
+    # every such tensor the checkpoint does not ship, so `nan` below catches one the verifier did not fill.
+    with safe_open(f"{dir}/model.safetensors", "pt") as f:
+        shipped = {k.removeprefix("model.") for k in f.keys()}
+    state = model.state_dict()
+    with torch.no_grad():
+        for name in ("embed_tokens.weight", "lm_head.weight"):
+            if name in state and name not in shipped:
+                model.get_parameter(name).fill_(torch.nan)
     model.load_verifier_weights()
     model = model.float().eval()
     # transformers builds the model on the meta device and does not recompute the rotary embedding's
@@ -44,6 +61,12 @@ def load(dir: str):
     nan = sorted(k for k, v in model.state_dict().items() if v.is_floating_point() and bool(v.isnan().any()))
     report = {k: sorted(map(str, info.get(k, []))) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     report["nan"] = nan  # a parameter the loader left at its NaN sentinel is missing in disguise
+    # Stricter than the loader's missing_keys, which skips its ignore list (d2t, t2d, lm_head, ...): every
+    # tensor of the module comes from the checkpoint, except those the verifier supplies.
+    from_verifier = {"embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight"}
+    if "lm_head.weight" in (getattr(model, "_keys_to_ignore_on_load_missing", None) or []):
+        from_verifier.add("lm_head.weight")  # DFlash / DSpark full vocabulary, MTP: the verifier's own head
+    report["not_shipped"] = sorted(set(model.state_dict()) - shipped - from_verifier)
     return model, config, report
 
 
@@ -101,8 +124,9 @@ def causal(n: int) -> torch.Tensor:
 
 @torch.no_grad()
 def eagle3(model, config, x: dict, forced, gamma: int) -> tuple:
-    """Slots 0..n-1 read (embed x_{s+1}, fc(features_s)); draft step j reads (embed d_j, output of step j-1)
-    at the next position; causal over the whole sequence, recomputed per step."""
+    """vLLM's EAGLE-3 proposer, with speculators' layer: slots 0..n-1 read (embed x_{s+1}, fc(features_s)) at
+    position s; draft step j reads (embed d_j, the pre-norm output of step j-1) one position further;
+    causal over the whole sequence, recomputed per step (the same as vLLM's KV cache)."""
     ids, feats = x["ids"], x["features"]
     n = feats.shape[0]
     g = model.fc(feats)  # [n, H]

@@ -731,7 +731,8 @@ def export_cmd(
     verifier: Optional[str] = typer.Option(
         None, "--verifier", help="the verifier as you will serve it: hub id or local model dir (default: the target's hub id)"
     ),
-    dtype: str = DtypeOpt,
+    dtype: str = typer.Option("float32", "--dtype", help="the target's load dtype; float32 reads the verifier's LM-head "
+                              "rows (shipped with a draft vocabulary) exactly, whatever its stored dtype"),  # fmt: skip
 ) -> None:
     """Export a trained drafter as a speculators checkpoint (config.json + model.safetensors) for vLLM."""
     from selfdraft.export import export_speculators

@@ -24,8 +24,10 @@ Conventions (speculators 0.9.0 and vLLM's loaders):
   the input of decoder layer i); ours are 0-based decoder-layer outputs. So aux id = ours + 1.
 - Nothing the verifier provides is shipped (its embedding, its LM head, its final norm: speculators
   and vLLM take them from the verifier), except where the format requires it: a reduced draft
-  vocabulary's `lm_head` rows (neither runtime derives them from the verifier's head).
-- EAGLE-3: Llama (or Qwen3 with qk_norm) layer `layers.0.*`, `fc`, `norm`, its own `lm_head` over the
+  vocabulary's `lm_head` rows (neither runtime derives them from the verifier's head), at the
+  verifier's precision.
+- EAGLE-3: Llama (or Qwen3 with qk_norm) layer `layers.0.*`, `fc` (vLLM's Llama module: exactly 3 fused
+  target layers), `norm`, its own `lm_head` over the
   draft vocabulary, `d2t` (int64 offsets, target = draft + d2t[draft]) and `t2d` (bool mask), both only
   with a reduced draft vocabulary (the modules have no such buffers otherwise);
   `norm_before_residual: false` (our residual is the un-normed fused feature).
@@ -344,6 +346,14 @@ def compatibility(cfg: DrafterConfig, target: "Target") -> dict[str, tuple[objec
             "vLLM embeds the mask slots as the verifier's embed_tokens[mask_token_id], not a learned vector "
             "(any id works; one the target rarely generates is best)",
         )
+    if cfg.method == "eagle3" and not cfg.qk_norm and len(cfg.feature_layers) != 3:
+        from selfdraft.drafters.eagle3 import eagle3_feature_layers
+
+        layers = list(eagle3_feature_layers(target.num_layers))  # the default low / mid / high; a shallow target:
+        if len(layers) != 3:  # three spread over the decoder-layer outputs the drafter may read (0..L-2)
+            layers = sorted({round(i * (target.num_layers - 2) / 2) for i in range(3)})
+        fixes["feature_layers"] = (layers, "vLLM's Llama EAGLE-3 module (Eagle3LlamaForCausalLM) fuses exactly 3 target "
+                                           f"layers (fc: 3·H -> H); this drafter fuses {len(cfg.feature_layers)}")  # fmt: skip
     if cfg.method == "dspark" and cfg.markov_rank == 0:
         fixes["markov_rank"] = (64, "vLLM's DSpark always builds the Markov head (without one, train a DFlash)")
     if cfg.method == "mtp":
@@ -456,9 +466,13 @@ def export_speculators(
         ids = trained.cpu().long() if trained is not None and trained.numel() else draft_vocab_ids(src_dir, target)
     if ids is not None:
         # The format requires the reduced LM head: neither speculators nor vLLM slices the verifier's.
-        dtype = tensors["fc.weight"].dtype
+        # These are the verifier's rows, exactly: in the drafter's dtype where that is lossless (a bf16
+        # verifier), else in the target's (the embedded target holds dequantised GGUF values, which
+        # bf16 would round by up to 4e-3, and our import would no longer recognise as the target's).
         lm = target.model.get_output_embeddings().weight.detach()
-        tensors["lm_head.weight"] = lm[ids.to(lm.device)].to("cpu", dtype).contiguous()
+        rows = lm[ids.to(lm.device)].cpu()
+        small = rows.to(tensors["fc.weight"].dtype)
+        tensors["lm_head.weight"] = (small if torch.equal(small.to(rows.dtype), rows) else rows).contiguous()
         tensors["d2t"], tensors["t2d"] = vocab_maps(ids, target.vocab_size)
         w2 = tensors.get("markov_head.markov_w2.weight")
         if w2 is not None and w2.shape[0] == target.vocab_size:  # the bias is over the draft vocabulary too
