@@ -146,28 +146,29 @@ POISON = [
 
 
 async def poisoner(url: str, key: str, model: str, every: float, stop: asyncio.Event) -> list[dict]:
-    """Every `every` seconds, one request with the next hostile parameters (not waiting for replies)."""
+    """One client that sends the next hostile request every `every` seconds, or at once when the
+    previous reply took longer (one request of its own in flight at most: a slow server sees a
+    hostile client, not an unbounded backlog of them that would only measure admission control)."""
+    out, k = [], 0
     async with httpx.AsyncClient(timeout=600) as c:
-        async def send(label: str, fragment: str, expected: int) -> dict:
+        while not stop.is_set():
+            label, fragment, expected = POISON[k % len(POISON)]
+            k += 1
             body = (f'{{"model": {json.dumps(model)}, "max_tokens": 4, '
                     f'"messages": [{{"role": "user", "content": "Hi"}}], {fragment}}}')
+            t0 = time.perf_counter()
             try:
                 r = await c.post(f"{url}/v1/chat/completions", content=body.encode(),
                                  headers={"content-type": "application/json", "authorization": f"Bearer {key}"})
                 status = r.status_code
             except httpx.HTTPError as e:
                 status = f"{type(e).__name__}"
-            return {"label": label, "status": status, "expected": expected}
-
-        tasks, k = [], 0
-        while not stop.is_set():
-            tasks.append(asyncio.create_task(send(*POISON[k % len(POISON)])))
-            k += 1
+            out.append({"label": label, "status": status, "expected": expected})
             try:
-                await asyncio.wait_for(stop.wait(), timeout=every)
+                await asyncio.wait_for(stop.wait(), timeout=max(0.0, every - (time.perf_counter() - t0)))
             except asyncio.TimeoutError:
                 pass
-        return list(await asyncio.gather(*tasks))
+    return out
 
 
 def health_during_big_body(url: str, key: str, model: str, megabytes: float) -> dict:
