@@ -233,6 +233,8 @@ async def main() -> None:
     prompts = load_prompts(a.prompts, a.per_set)
     await one(client, model, -1, 0, "Hi", 4, True, False)  # warm-up, not counted
     big = await asyncio.to_thread(health_during_big_body, a.url, a.api_key, model, a.big_body_mb) if a.big_body_mb else {}
+    if big:
+        print(json.dumps(big), flush=True)  # now: the load phase can take long on a busy machine
     before = scrape(a.url)
     stop = asyncio.Event()
     poison = asyncio.create_task(poisoner(a.url, a.api_key, model, a.poison_every, stop)) if a.poison_every else None
