@@ -145,30 +145,36 @@ POISON = [
 ]
 
 
-async def poisoner(url: str, key: str, model: str, every: float, stop: asyncio.Event) -> list[dict]:
-    """One client that sends the next hostile request every `every` seconds, or at once when the
-    previous reply took longer (one request of its own in flight at most: a slow server sees a
-    hostile client, not an unbounded backlog of them that would only measure admission control)."""
-    out, k = [], 0
+async def poisoner(url: str, key: str, model: str, every: float, stop: asyncio.Event,
+                   max_pending: int = 8) -> tuple[list[dict], int]:
+    """One client that sends the next hostile request every `every` seconds without waiting for the
+    replies, but with at most `max_pending` of its own in flight (a tick is skipped and counted while
+    that many are pending: on a starved server the run then measures hostile input, not admission
+    control). Returns the replies and the number of skipped ticks."""
     async with httpx.AsyncClient(timeout=600) as c:
-        while not stop.is_set():
-            label, fragment, expected = POISON[k % len(POISON)]
-            k += 1
+        async def send(label: str, fragment: str, expected: int) -> dict:
             body = (f'{{"model": {json.dumps(model)}, "max_tokens": 4, '
                     f'"messages": [{{"role": "user", "content": "Hi"}}], {fragment}}}')
-            t0 = time.perf_counter()
             try:
                 r = await c.post(f"{url}/v1/chat/completions", content=body.encode(),
                                  headers={"content-type": "application/json", "authorization": f"Bearer {key}"})
                 status = r.status_code
             except httpx.HTTPError as e:
                 status = f"{type(e).__name__}"
-            out.append({"label": label, "status": status, "expected": expected})
+            return {"label": label, "status": status, "expected": expected}
+
+        tasks, k, skipped = [], 0, 0
+        while not stop.is_set():
+            if sum(not t.done() for t in tasks) < max_pending:
+                tasks.append(asyncio.create_task(send(*POISON[k % len(POISON)])))
+                k += 1
+            else:
+                skipped += 1
             try:
-                await asyncio.wait_for(stop.wait(), timeout=max(0.0, every - (time.perf_counter() - t0)))
+                await asyncio.wait_for(stop.wait(), timeout=every)
             except asyncio.TimeoutError:
                 pass
-    return out
+        return list(await asyncio.gather(*tasks)), skipped
 
 
 def health_during_big_body(url: str, key: str, model: str, megabytes: float) -> dict:
@@ -240,7 +246,7 @@ async def main() -> None:
     poison = asyncio.create_task(poisoner(a.url, a.api_key, model, a.poison_every, stop)) if a.poison_every else None
     samples, wall = await run_phase(client, model, prompts, a.requests, a.clients, a.max_tokens, True, a.check)
     stop.set()
-    poisoned = await poison if poison else []
+    poisoned, skipped = await poison if poison else ([], 0)
     after = scrape(a.url)
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
 
@@ -276,7 +282,8 @@ async def main() -> None:
         statuses: dict[str, int] = {}
         for x in poisoned:
             statuses[str(x["status"])] = statuses.get(str(x["status"]), 0) + 1
-        summary.update(poison_requests=len(poisoned), poison_statuses=statuses, poison_by_label=by,
+        summary.update(poison_requests=len(poisoned), poison_ticks_skipped=skipped, poison_statuses=statuses,
+                       poison_by_label=by,
                        poison_unexpected=sum(x["status"] != x["expected"] for x in poisoned))
     if a.check:
         # 1. Lost / duplicated tokens: the ids streamed with the text number usage.completion_tokens and
