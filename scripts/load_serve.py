@@ -177,22 +177,28 @@ async def poisoner(url: str, key: str, model: str, every: float, stop: asyncio.E
         return list(await asyncio.gather(*tasks)), skipped
 
 
-def health_during_big_body(url: str, key: str, model: str, megabytes: float) -> dict:
+def health_during_big_body(url: str, key: str, model: str, megabytes: float, chunked: bool) -> dict:
     """/health latency (client side, polled every 10 ms) while one thread posts a chat request whose
-    body is `megabytes` MB (over the default 1 MiB limit: expected 413)."""
+    body is `megabytes` MB (over the default 1 MiB limit: expected 413), with a Content-Length header
+    or, `chunked`, without one (the server must read up to its limit before it can refuse)."""
     text = "The quick brown fox jumps over the lazy dog. " * int(megabytes * 1e6 / 45 + 1)
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": text}]}).encode()
-    out: dict = {"big_body_bytes": len(body)}
+    tag = "chunked" if chunked else "sized"
+    out: dict = {f"big_body_{tag}_bytes": len(body)}
+
+    def pieces():
+        for i in range(0, len(body), 1 << 16):
+            yield body[i:i + (1 << 16)]
 
     def post() -> None:
         t0 = time.perf_counter()
         try:
-            r = httpx.post(f"{url}/v1/chat/completions", content=body, timeout=300,
+            r = httpx.post(f"{url}/v1/chat/completions", content=pieces() if chunked else body, timeout=300,
                            headers={"content-type": "application/json", "authorization": f"Bearer {key}"})
-            out["big_body_status"] = r.status_code
+            out[f"big_body_{tag}_status"] = r.status_code
         except httpx.HTTPError as e:  # a server may close the connection while the client still sends
-            out["big_body_status"] = type(e).__name__
-        out["big_body_s"] = time.perf_counter() - t0
+            out[f"big_body_{tag}_status"] = type(e).__name__
+        out[f"big_body_{tag}_s"] = time.perf_counter() - t0
 
     th = threading.Thread(target=post)
     lat = []
@@ -205,8 +211,9 @@ def health_during_big_body(url: str, key: str, model: str, megabytes: float) -> 
             lat.append(1000 * (time.perf_counter() - t0))
             time.sleep(0.01)
     th.join()
-    out.update(health_checks=len(lat), health_ms_median=statistics.median(lat) if lat else None,
-               health_ms_max=max(lat) if lat else None)
+    out.update({f"{tag}_health_checks": len(lat),
+                f"{tag}_health_ms_median": statistics.median(lat) if lat else None,
+                f"{tag}_health_ms_max": max(lat) if lat else None})
     return out
 
 
@@ -238,7 +245,9 @@ async def main() -> None:
     health = httpx.get(f"{a.url}/health", timeout=30).json()
     prompts = load_prompts(a.prompts, a.per_set)
     await one(client, model, -1, 0, "Hi", 4, True, False)  # warm-up, not counted
-    big = await asyncio.to_thread(health_during_big_body, a.url, a.api_key, model, a.big_body_mb) if a.big_body_mb else {}
+    big = {}
+    for chunked in (False, True) if a.big_body_mb else ():
+        big.update(await asyncio.to_thread(health_during_big_body, a.url, a.api_key, model, a.big_body_mb, chunked))
     if big:
         print(json.dumps(big), flush=True)  # now: the load phase can take long on a busy machine
     before = scrape(a.url)
