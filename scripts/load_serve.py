@@ -4,11 +4,13 @@ N concurrent streaming clients share M greedy chat requests (prompts from the bu
 turns). Measures failed requests, time to first token (client side: first non-empty text), per-user
 tokens/s and aggregate tokens/s. With --check, the streams also carry the generated token ids (the
 `return_token_ids` extension): they must number usage.completion_tokens and decode to exactly the
-streamed text (no token lost or duplicated on the way); then each prompt is sent once more,
-non-streamed, and compared token for token. Server-side τ and verify tokens per step: /metrics.
+streamed text (no token lost or duplicated on the way); then each prompt is sent once more, alone
+(one request at a time, non-streamed), and compared token for token with what it gave under load.
+Server-side τ and verify tokens per step: /metrics.
 With --poison-every S, one more client sends a request with hostile parameters every S seconds
 (temperatures and top_p below float32's range, NaN, lone surrogates, unsupported fields): each must
-get its expected status (200 or 400) while every other request still finishes normally.
+get its expected status (200 or 400) while every other request still finishes normally. With
+--big-body-mb, /health latency is measured first while a request that large is rejected (413).
 
     python scripts/load_serve.py --url http://127.0.0.1:8000 --clients 16 --requests 32 --max-tokens 48 \
         --check --out runs/serve/dspark.json
@@ -23,6 +25,7 @@ import asyncio
 import json
 import os
 import statistics
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -142,8 +145,12 @@ POISON = [
 ]
 
 
-async def poisoner(url: str, key: str, model: str, every: float, stop: asyncio.Event) -> list[dict]:
-    """Every `every` seconds, one request with the next hostile parameters (not waiting for replies)."""
+async def poisoner(url: str, key: str, model: str, every: float, stop: asyncio.Event,
+                   max_pending: int = 8) -> tuple[list[dict], int]:
+    """One client that sends the next hostile request every `every` seconds without waiting for the
+    replies, but with at most `max_pending` of its own in flight (a tick is skipped and counted while
+    that many are pending: on a starved server the run then measures hostile input, not admission
+    control). Returns the replies and the number of skipped ticks."""
     async with httpx.AsyncClient(timeout=600) as c:
         async def send(label: str, fragment: str, expected: int) -> dict:
             body = (f'{{"model": {json.dumps(model)}, "max_tokens": 4, '
@@ -156,15 +163,58 @@ async def poisoner(url: str, key: str, model: str, every: float, stop: asyncio.E
                 status = f"{type(e).__name__}"
             return {"label": label, "status": status, "expected": expected}
 
-        tasks, k = [], 0
+        tasks, k, skipped = [], 0, 0
         while not stop.is_set():
-            tasks.append(asyncio.create_task(send(*POISON[k % len(POISON)])))
-            k += 1
+            if sum(not t.done() for t in tasks) < max_pending:
+                tasks.append(asyncio.create_task(send(*POISON[k % len(POISON)])))
+                k += 1
+            else:
+                skipped += 1
             try:
                 await asyncio.wait_for(stop.wait(), timeout=every)
             except asyncio.TimeoutError:
                 pass
-        return list(await asyncio.gather(*tasks))
+        return list(await asyncio.gather(*tasks)), skipped
+
+
+def health_during_big_body(url: str, key: str, model: str, megabytes: float, chunked: bool) -> dict:
+    """/health latency (client side, polled every 10 ms) while one thread posts a chat request whose
+    body is `megabytes` MB (over the default 1 MiB limit: expected 413), with a Content-Length header
+    or, `chunked`, without one (the server must read up to its limit before it can refuse)."""
+    text = "The quick brown fox jumps over the lazy dog. " * int(megabytes * 1e6 / 45 + 1)
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": text}]}).encode()
+    tag = "chunked" if chunked else "sized"
+    out: dict = {f"big_body_{tag}_bytes": len(body)}
+
+    def pieces():
+        for i in range(0, len(body), 1 << 16):
+            yield body[i:i + (1 << 16)]
+
+    def post() -> None:
+        t0 = time.perf_counter()
+        try:
+            r = httpx.post(f"{url}/v1/chat/completions", content=pieces() if chunked else body, timeout=300,
+                           headers={"content-type": "application/json", "authorization": f"Bearer {key}"})
+            out[f"big_body_{tag}_status"] = r.status_code
+        except httpx.HTTPError as e:  # a server may close the connection while the client still sends
+            out[f"big_body_{tag}_status"] = type(e).__name__
+        out[f"big_body_{tag}_s"] = time.perf_counter() - t0
+
+    th = threading.Thread(target=post)
+    lat = []
+    with httpx.Client(timeout=30) as c:
+        c.get(f"{url}/health")  # connection open before the clock starts
+        th.start()
+        while th.is_alive():
+            t0 = time.perf_counter()
+            c.get(f"{url}/health").raise_for_status()
+            lat.append(1000 * (time.perf_counter() - t0))
+            time.sleep(0.01)
+    th.join()
+    out.update({f"{tag}_health_checks": len(lat),
+                f"{tag}_health_ms_median": statistics.median(lat) if lat else None,
+                f"{tag}_health_ms_max": max(lat) if lat else None})
+    return out
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -185,6 +235,8 @@ async def main() -> None:
     ap.add_argument("--tokenizer", type=Path, default=default_tokenizer(), help="tokenizer.json of the target (--check)")
     ap.add_argument("--out", type=Path, default=None, help="write all samples and the summary as JSON")
     ap.add_argument("--poison-every", type=float, default=0.0, help="one more client: a hostile request every S seconds")
+    ap.add_argument("--big-body-mb", type=float, default=0.0,
+                    help="first: /health latency while a request of this many MB is posted (and rejected, 413)")
     a = ap.parse_args()
 
     client = openai.AsyncOpenAI(base_url=f"{a.url}/v1", api_key=a.api_key, max_retries=0, timeout=600,
@@ -193,12 +245,17 @@ async def main() -> None:
     health = httpx.get(f"{a.url}/health", timeout=30).json()
     prompts = load_prompts(a.prompts, a.per_set)
     await one(client, model, -1, 0, "Hi", 4, True, False)  # warm-up, not counted
+    big = {}
+    for chunked in (False, True) if a.big_body_mb else ():
+        big.update(await asyncio.to_thread(health_during_big_body, a.url, a.api_key, model, a.big_body_mb, chunked))
+    if big:
+        print(json.dumps(big), flush=True)  # now: the load phase can take long on a busy machine
     before = scrape(a.url)
     stop = asyncio.Event()
     poison = asyncio.create_task(poisoner(a.url, a.api_key, model, a.poison_every, stop)) if a.poison_every else None
     samples, wall = await run_phase(client, model, prompts, a.requests, a.clients, a.max_tokens, True, a.check)
     stop.set()
-    poisoned = await poison if poison else []
+    poisoned, skipped = await poison if poison else ([], 0)
     after = scrape(a.url)
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
 
@@ -208,7 +265,7 @@ async def main() -> None:
     per_user_e2e = [s.completion_tokens / (s.end - s.start) for s in ok]
     summary = {
         "drafter": health.get("drafter"), "model": model, "clients": a.clients, "requests": a.requests,
-        "max_tokens": a.max_tokens, "failed": len(samples) - len(ok),
+        "max_tokens": a.max_tokens, "ok": len(ok), "failed": len(samples) - len(ok),
         "errors": sorted({s.error for s in samples if not s.ok}),
         "output_tokens": sum(s.completion_tokens for s in ok), "wall_s": wall,
         "aggregate_tok_s": sum(s.completion_tokens for s in ok) / wall,
@@ -224,13 +281,18 @@ async def main() -> None:
     }
     # Token accounting from the stream itself: every request ends with a finish reason and a usage
     # count; a length-finished one must have exactly max_tokens.
+    summary.update(big)
     summary["bad_counts"] = sum(1 for s in ok if s.finish_reason == "length" and s.completion_tokens != a.max_tokens)
     if poisoned:
         by: dict[str, dict] = {}
         for x in poisoned:
             by.setdefault(x["label"], {}).setdefault(str(x["status"]), 0)
             by[x["label"]][str(x["status"])] += 1
-        summary.update(poison_requests=len(poisoned), poison_by_label=by,
+        statuses: dict[str, int] = {}
+        for x in poisoned:
+            statuses[str(x["status"])] = statuses.get(str(x["status"]), 0) + 1
+        summary.update(poison_requests=len(poisoned), poison_ticks_skipped=skipped, poison_statuses=statuses,
+                       poison_by_label=by,
                        poison_unexpected=sum(x["status"] != x["expected"] for x in poisoned))
     if a.check:
         # 1. Lost / duplicated tokens: the ids streamed with the text number usage.completion_tokens and
@@ -238,9 +300,10 @@ async def main() -> None:
         tok = Tokenizer.from_file(str(a.tokenizer))
         lost_dup = [s.index for s in ok if s.token_ids is None or len(s.token_ids) != s.completion_tokens
                     or tok.decode(s.token_ids, skip_special_tokens=True) != s.text]
-        # 2. The same prompts non-streamed (other batch compositions): token-for-token equality is
-        #    exact in float32; in bf16 a batch-shape-dependent rounding can flip a near-tie.
-        refs, ref_wall = await run_phase(client, model, prompts, len(prompts), a.clients, a.max_tokens, False, True)
+        # 2. The same prompts as single requests (one at a time, non-streamed): greedy output under load
+        #    must equal it token for token; exact in float32, while in bf16 a batch-shape-dependent
+        #    rounding can flip a near-tie.
+        refs, ref_wall = await run_phase(client, model, prompts, len(prompts), 1, a.max_tokens, False, True)
         by_prompt = {r.prompt: r for r in refs if r.ok}
         mismatch = []
         for s in ok:

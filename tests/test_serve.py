@@ -526,6 +526,46 @@ def test_openapi_lists_the_codes_actually_returned(servers):
     assert doc["components"]["schemas"]["CompletionRequest"]["properties"]["model"]["enum"] == ["tiny"]
 
 
+def sse_events(raw: str) -> list[dict]:
+    """A text/event-stream body -> its events as {"event", "data"} (data lines joined), the way
+    OpenAPI tools (schemathesis) parse a stream before checking each event against the document."""
+    out = []
+    for block in raw.strip().split("\n\n"):
+        data = [line[5:].removeprefix(" ") for line in block.split("\n") if line.startswith("data:")]
+        if data:
+            out.append({"event": "message", "data": "\n".join(data)})
+    return out
+
+
+def conforms(value, schema: dict) -> bool:
+    """The JSON-Schema keywords the stream schema uses (type, required, properties)."""
+    types = {"object": dict, "string": str, "integer": int}
+    if "type" in schema and not isinstance(value, types[schema["type"]]):
+        return False
+    if isinstance(value, dict):
+        if any(k not in value for k in schema.get("required", ())):
+            return False
+        props = schema.get("properties", {})
+        return all(conforms(v, props[k]) for k, v in value.items() if k in props)
+    return True
+
+
+def test_openapi_stream_schema_describes_each_event(servers):
+    """The documented text/event-stream schema is the schema of one event (OpenAPI 3.1 tools read
+    it so): every event of real streams, incl. the final [DONE], conforms to it (a bare
+    {"type": "string"} does not: schemathesis reported ST108 on every stream)."""
+    s = servers["none"]
+    doc = httpx.get(f"{s.url}/openapi.json").json()
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+                       ("/v1/completions", {"prompt": PROMPT})):
+        schema = doc["paths"][path]["post"]["responses"]["200"]["content"]["text/event-stream"]["schema"]
+        r = httpx.post(f"{s.url}{path}", json={"model": "tiny", "max_tokens": 4, "stream": True, **body}, timeout=30)
+        events = sse_events(r.text)
+        assert r.status_code == 200 and len(events) >= 3 and events[-1]["data"] == "[DONE]"
+        assert all(conforms(e, schema) for e in events), (path, schema)
+        assert not conforms("data: [DONE]", schema)  # the check can fail
+
+
 def test_body_limit_413_and_health_stays_fast_while_a_large_prompt_is_tokenized(target):
     """A body over the limit gets 413 at once; a large body under it is tokenized off the event loop,
     so /health answers within 100 ms meanwhile."""

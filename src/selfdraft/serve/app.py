@@ -39,8 +39,13 @@ log = logging.getLogger("selfdraft.serve")
 DISCONNECT_POLL_S = 0.5  # non-streamed requests: how often to check whether the client is still there
 MAX_BODY_BYTES = 1 << 20  # default request-body limit (413 above it): ~100x the largest prompt that fits SmolLM2's context
 ERROR_CODES = (400, 401, 404, 413, 429, 503)  # what the API returns besides 200 (and 500 for a bug)
+# One server-sent event (OpenAPI 3.1 tools check each event of a text/event-stream against the schema;
+# 3.2 calls it itemSchema): `data` is a JSON chunk, an error object, or the final [DONE].
+SSE_EVENT = {"type": "object", "required": ["data"],
+             "properties": {"data": {"type": "string", "description": "a JSON chunk, an error object, or [DONE]"},
+                            "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
 ERROR_RESPONSES: dict[int | str, dict] = {
-    200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+    200: {"content": {"text/event-stream": {"schema": SSE_EVENT}},
           "description": "the completion (JSON), or with stream: true server-sent events ending in data: [DONE]"},
     400: {"model": ErrorBody, "description": "invalid request (parameters, prompt, unsupported field)"},
     401: {"model": ErrorBody, "description": "missing or wrong API key (with --api-key)"},
