@@ -176,10 +176,10 @@ def test_lossless_chi_square_on_native_and_broken_control(small_native, monkeypa
     assert td._spec_pvalue(small_native, drafter, params) < 1e-6
 
 
-@pytest.mark.parametrize("kind,sched", [("none", "fixed"), ("dspark", "hardware")])
+@pytest.mark.parametrize("kind,sched", [("none", "fixed"), ("dspark", "hardware"), ("mixed", "fixed")])
 def test_batched_engine_on_native(kind, sched):
-    """The engine's padded DynamicCache runs through the native stack: batched == single request,
-    and single request == the HF backend's."""
+    """The engine's padded DynamicCache runs through the native stack: batched == single request
+    (chains, and trees mixed with chains: the 4D tree mask), and single request == the HF backend's."""
     model = tiny_llama(vocab=64, hidden=32, layers=4, seed=0, peaked=3.0)
     nat = Target(model, backend="native")
     te.test_batched_greedy_equals_single_request(nat, kind, sched)
