@@ -141,7 +141,8 @@ class Speculation:
     caller (the batched engine keeps `kept_rows` in its own padded cache)."""
 
     def __init__(self, target: Target, drafter: Drafter, prompt_ids: list[int], params: SamplingParams = SamplingParams(),
-                 config: GenerationConfig = GenerationConfig(), generator: torch.Generator | None = None, id: int = 0) -> None:
+                 config: GenerationConfig = GenerationConfig(), generator: torch.Generator | None = None,
+                 request_id: int = 0) -> None:
         P = len(prompt_ids)
         if P == 0:
             raise TargetError("empty prompt")
@@ -150,7 +151,7 @@ class Speculation:
                 f"prompt ({P} tokens) + max_new_tokens ({config.max_new_tokens}) exceeds the target's "
                 f"context of {target.max_context} tokens: shorten the prompt or lower max_new_tokens"
             )
-        self.id, self.target, self.drafter, self.params, self.config = id, target, drafter, params, config
+        self.id, self.target, self.drafter, self.params, self.config = request_id, target, drafter, params, config
         self.prompt = list(prompt_ids)
         if generator is None and params.seed is not None:
             generator = torch.Generator().manual_seed(params.seed)

@@ -132,7 +132,7 @@ class Engine:
         config: GenerationConfig = GenerationConfig(),
     ) -> int:
         """Queue a request; it is prefilled at the next step. The drafter instance must be its own."""
-        s = Speculation(self.target, drafter, prompt_ids, params, config, id=self._next_id)
+        s = Speculation(self.target, drafter, prompt_ids, params, config, request_id=self._next_id)
         self._next_id += 1
         self.pending.append(s)
         return s.id
