@@ -232,11 +232,11 @@ class Speculation:
         self.out.extend(new)
         # 5. The drafter observes the target's states at the rows that stay: the old anchor and the
         #    accepted drafts (a tree: its accepted path), as if a chain of them had been verified.
-        chain = proposal.parents is None
+        n, chain = proposal.tokens.shape[0], proposal.parents is None
         rows = list(range(len(new))) if chain else [0] + [i + 1 for i in v.path[: len(new) - 1]]
         self.drafter.observe(v, _pick_rows(step, rows, chain))
-        depth = len(proposal.tokens) if chain or not len(proposal.tokens) else int(depths(proposal.parents).max())
-        stats = RoundStats(len(proposal.tokens), v.num_accepted, draft_s, forward_s + time.perf_counter() - t0, depth)
+        depth = n if chain or n == 0 else int(depths(proposal.parents).max())
+        stats = RoundStats(n, v.num_accepted, draft_s, forward_s + time.perf_counter() - t0, depth)
         self.result.rounds.append(stats)
         return RoundOutcome(new, v, rows, stats, step.logits[0], self._check_done())
 
@@ -257,12 +257,13 @@ class Speculation:
 
 
 def _pick_rows(step: TargetStep, rows: list[int], contiguous: bool) -> TargetStep:
-    """step [1, n+1, ...] -> [1, len(rows), ...] at block rows `rows` (a chain's are 0..k: a view)."""
+    """step [1, n+1, ...] -> [1, len(rows), ...] at block rows `rows` (a chain's are 0..k-1: views)."""
     if contiguous:
-        pick = lambda t: None if t is None else t[:, : len(rows)]  # noqa: E731
-    else:
-        idx = torch.tensor(rows, device=step.logits.device)
-        pick = lambda t: None if t is None else t[:, idx.to(t.device)]  # noqa: E731
+        k = len(rows)
+        feats = None if step.features is None else step.features[:, :k]
+        return TargetStep(logits=step.logits[:, :k], features=feats, last_hidden=step.last_hidden[:, :k])
+    idx = torch.tensor(rows)
+    pick = lambda t: None if t is None else t[:, idx.to(t.device)]  # noqa: E731
     return TargetStep(logits=pick(step.logits), features=pick(step.features), last_hidden=pick(step.last_hidden))
 
 
