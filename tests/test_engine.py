@@ -118,7 +118,7 @@ def test_engine_single_request_equals_generate_for_every_drafter(target, params)
                 (r.proposed, r.accepted, r.depth) for r in ref.rounds], (kind, prompt)
             assert got.finish_reason == ref.finish_reason
             accepted += sum(r.accepted for r in ref.rounds)
-    assert accepted > 30  # rounds that accept drafts took place (the oracle tree, n-gram)
+    assert accepted > 15  # rounds that accept drafts took place (the oracle tree, n-gram)
 
 
 def test_calibration_rounds_are_decoding_rounds(target):
