@@ -1,5 +1,7 @@
-"""Batched engine: lossless per request (float32 greedy equals single-request decode), continuous
-batching (staggered joins, cancel), cache compaction, and the engine under the hardware scheduler."""
+"""Batched engine: lossless per request (float32 greedy equals single-request decode, chains and
+draft trees, alone and mixed in one batch), one shared round (engine == generate == calibration,
+greedy and seeded sampling, every drafter kind), continuous batching (staggered joins, cancel),
+cache compaction, and the engine under the hardware scheduler."""
 
 from __future__ import annotations
 
@@ -7,14 +9,16 @@ import pytest
 import torch
 
 from selfdraft.config import DrafterConfig, GenerationConfig, SamplingParams
-from selfdraft.decode import generate
+from selfdraft.decode import Speculation, generate
 from selfdraft.drafters import REGISTRY
 from selfdraft.drafters.base import Drafter, Proposal, propose_all
 from selfdraft.engine import Engine, PaddedCache, engine_throughput
 from selfdraft.scheduler import CostTable, Scheduler
 from selfdraft.target import Target
+from selfdraft.training.calibrate import collect_rounds
 from selfdraft.training.strategy import STRATEGIES
 from tests.conftest import tiny_llama
+from tests.test_tree import ArgmaxTreeDrafter
 
 FEATS = (1, 2)
 
@@ -33,29 +37,59 @@ def dspark(target: Target, seed: int = 1):
     return lambda: STRATEGIES["dspark"].drafter(model, cfg, target)
 
 
+def trained(method: str, target: Target, seed: int = 1, tree: dict | None = None):
+    """A random tiny trained-kind drafter (EAGLE-3 as a dynamic tree with `tree`)."""
+    torch.manual_seed(seed)
+    feats = {"mtp": (), "eagle3": (0, 1, 2)}.get(method, FEATS)
+    cfg = DrafterConfig(method=method, feature_layers=feats, gamma=4, markov_rank=8)
+    model = STRATEGIES[method].build(cfg, target)
+
+    def make():
+        d = STRATEGIES[method].drafter(model, cfg, target)
+        if tree:
+            d.set_tree(**tree)
+        return d
+
+    return make
+
+
 def makers(target):
-    return {"none": lambda: REGISTRY["none"](target), "ngram": lambda: REGISTRY["ngram"](target), "dspark": dspark(target)}
+    return {"none": lambda: REGISTRY["none"](target), "ngram": lambda: REGISTRY["ngram"](target), "dspark": dspark(target),
+            "eagle3-tree": trained("eagle3", target, tree=dict(depth=3, top_k=3, total_tokens=10)),
+            "oracle-tree": lambda: ArgmaxTreeDrafter(target)}
+
+
+def every_drafter(target):
+    """Every drafter kind: the registry's, the four trained methods (random weights), two trees."""
+    return {**makers(target), "mtp": trained("mtp", target), "eagle3": trained("eagle3", target),
+            "dflash": trained("dflash", target)}
 
 
 PROMPTS = [[5, 17, 3, 5, 17, 3, 9], [1, 2], [40, 41, 42, 43, 40, 41, 42, 43, 40, 41, 42, 50, 7], [9] * 4, [3, 8, 1, 33, 2]]
+MIXED = ["oracle-tree", "dspark", "eagle3-tree", "ngram", "none"]  # request i's kind in the mixed batch
 
 
-@pytest.mark.parametrize("kind,sched", [("none", "fixed"), ("ngram", "fixed"), ("dspark", "fixed"), ("dspark", "hardware")])
+@pytest.mark.parametrize("kind,sched", [("none", "fixed"), ("ngram", "fixed"), ("dspark", "fixed"), ("dspark", "hardware"),
+                                        ("eagle3-tree", "fixed"), ("oracle-tree", "fixed"), ("mixed", "fixed"),
+                                        ("mixed", "hardware")])
 def test_batched_greedy_equals_single_request(target, kind, sched):
-    make = makers(target)[kind]
+    """Each request's output equals its single-request `generate`, with trees and chains in one batch
+    (the 4D tree mask) and without (HF's 2D padding mask)."""
+    m = makers(target)
+    make = [m[MIXED[i]] if kind == "mixed" else m[kind] for i in range(len(PROMPTS))]
     cfgs = [GenerationConfig(max_new_tokens=n, gamma=g) for n, g in [(30, 4), (17, 2), (25, 4), (1, 3), (22, 1)]]
-    expected = [generate(target, make(), p, SamplingParams(), c).token_ids for p, c in zip(PROMPTS, cfgs)]
+    expected = [generate(target, make[i](), p, SamplingParams(), c).token_ids for i, (p, c) in enumerate(zip(PROMPTS, cfgs))]
     cost = CostTable((1, 8, 32), (100.0, 80.0, 30.0))  # trims the random drafter's blocks to 1-2 drafts
     engine = Engine(target, Scheduler(sched, cost=cost if sched == "hardware" else None), compact_slack=4)
     ids = {}
     # staggered joins: two requests now, one after a step, two after three steps
     for i in (0, 1):
-        ids[engine.add_request(PROMPTS[i], make(), config=cfgs[i])] = i
+        ids[engine.add_request(PROMPTS[i], make[i](), config=cfgs[i])] = i
     streamed: dict[int, list[int]] = {}
     for s in range(200):
         if s in (1, 3):
             for i in ((2,) if s == 1 else (3, 4)):
-                ids[engine.add_request(PROMPTS[i], make(), config=cfgs[i])] = i
+                ids[engine.add_request(PROMPTS[i], make[i](), config=cfgs[i])] = i
         for o in engine.step():
             streamed.setdefault(o.request_id, []).extend(o.new_tokens)
         if not engine.has_unfinished:
@@ -64,6 +98,55 @@ def test_batched_greedy_equals_single_request(target, kind, sched):
     for rid, i in ids.items():
         assert engine.results[rid].token_ids == expected[i], (kind, i)
         assert streamed[rid] == expected[i]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0, top_p=0.9, seed=4)],
+                         ids=["greedy", "seeded"])
+def test_engine_single_request_equals_generate_for_every_drafter(target, params):
+    """One shared round: alone in the engine, a request gives exactly `generate`'s tokens and rounds
+    (drafts verified, accepted), for every drafter kind, chains and trees, greedy and seeded sampling."""
+    cfg = GenerationConfig(max_new_tokens=16, gamma=4)
+    accepted = 0
+    for kind, make in every_drafter(target).items():
+        for prompt in PROMPTS[2:3]:
+            ref = generate(target, make(), prompt, params, cfg)
+            engine = Engine(target)
+            rid = engine.add_request(prompt, make(), params, cfg)
+            got = engine.run()[rid]
+            assert got.token_ids == ref.token_ids, (kind, prompt)
+            assert [(r.proposed, r.accepted, r.depth) for r in got.rounds] == [
+                (r.proposed, r.accepted, r.depth) for r in ref.rounds], (kind, prompt)
+            assert got.finish_reason == ref.finish_reason
+            accepted += sum(r.accepted for r in ref.rounds)
+    assert accepted > 8  # rounds that accept drafts took place (the oracle tree, n-gram)
+
+
+def test_calibration_rounds_are_decoding_rounds(target):
+    """Calibration runs the same round: with greedy full blocks, the drafts it labels accepted are
+    exactly the drafts `generate` accepts, round by round (the DSpark drafter's chains, γ = 4)."""
+    make = makers(target)["dspark"]
+    prompt, n = PROMPTS[2], 24
+    rounds = collect_rounds(target, make(), [prompt], SamplingParams(), max_new_tokens=n)
+    ref = generate(target, make(), prompt, SamplingParams(), GenerationConfig(max_new_tokens=n + 4, gamma=4))
+    per_round = rounds.survived.sum(1).long().tolist()
+    assert len(per_round) >= 3 and per_round == [r.accepted for r in ref.rounds[: len(per_round)]]
+    assert all(r.proposed == 4 for r in ref.rounds[: len(per_round)])
+
+
+def test_generate_engine_and_calibration_commit_through_speculation(target, monkeypatch):
+    """The three callers hand every round to `Speculation.commit` (none keeps its own copy of it)."""
+    calls: list[int] = []
+    real = Speculation.commit
+    monkeypatch.setattr(Speculation, "commit", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    make, cfg = makers(target)["dspark"], GenerationConfig(max_new_tokens=12, gamma=4)
+    assert len(generate(target, make(), PROMPTS[0], SamplingParams(), cfg).rounds) == len(calls) > 0
+    calls.clear()
+    engine = Engine(target)
+    ids = [engine.add_request(p, make(), config=cfg) for p in PROMPTS[:2]]
+    results = engine.run()
+    assert len(calls) == sum(len(results[i].rounds) for i in ids) > 0
+    calls.clear()
+    assert collect_rounds(target, make(), [PROMPTS[0]], SamplingParams(), max_new_tokens=12).z.shape[0] == len(calls) > 0
 
 
 def test_cancel_and_max_concurrency(target):

@@ -137,11 +137,11 @@ def native_tiny() -> Target:
     return Target(tiny_llama(), backend="native")
 
 
-def test_tree_forward_and_commit_path_on_native(native_tiny):
+def test_tree_forward_and_keep_rows_on_native(native_tiny):
     """The tree tests of test_tree.py, run on the native backend, plus tree logits equal to HF's."""
     tt.test_tree_forward_equals_chain_forward_per_path(native_tiny)
     for path in ([], [8], [0, 2, 5, 7], [1, 4]):
-        tt.test_commit_path_keeps_exactly_the_accepted_kv(native_tiny, path)
+        tt.test_keep_rows_keeps_exactly_the_accepted_kv(native_tiny, path)
     hf = Target(native_tiny.model)
     prompt, block = torch.tensor([[3, 9, 4, 7, 1]]), torch.randint(0, 96, (1, tt.PARENTS.numel() + 1))
     t = tree_inputs(tt.PARENTS, prompt.shape[1], torch.float32)
@@ -176,10 +176,10 @@ def test_lossless_chi_square_on_native_and_broken_control(small_native, monkeypa
     assert td._spec_pvalue(small_native, drafter, params) < 1e-6
 
 
-@pytest.mark.parametrize("kind,sched", [("none", "fixed"), ("dspark", "hardware")])
+@pytest.mark.parametrize("kind,sched", [("none", "fixed"), ("dspark", "hardware"), ("mixed", "fixed")])
 def test_batched_engine_on_native(kind, sched):
-    """The engine's padded DynamicCache runs through the native stack: batched == single request,
-    and single request == the HF backend's."""
+    """The engine's padded DynamicCache runs through the native stack: batched == single request
+    (chains, and trees mixed with chains: the 4D tree mask), and single request == the HF backend's."""
     model = tiny_llama(vocab=64, hidden=32, layers=4, seed=0, peaked=3.0)
     nat = Target(model, backend="native")
     te.test_batched_greedy_equals_single_request(nat, kind, sched)

@@ -9,17 +9,19 @@ import socket
 import string
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
 import openai
 import pytest
+import torch
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
 from selfdraft.cli import app as cli_app
-from selfdraft.config import GenerationConfig, SamplingParams
+from selfdraft.config import DrafterConfig, GenerationConfig, SamplingParams
 from selfdraft.decode import generate
 from selfdraft.drafters.base import Drafter, Proposal
 from selfdraft.engine import drafter_factory
@@ -27,7 +29,9 @@ from selfdraft.scheduler import Scheduler
 from selfdraft.serve import MAX_BODY_BYTES, EngineLoop, GracefulServer, RequestSpec, ServerMetrics, create_app
 from selfdraft.serve.text import TextStream
 from selfdraft.target import Target
+from selfdraft.training.strategy import STRATEGIES
 from tests.conftest import tiny_llama
+from tests.test_tree import ArgmaxTreeDrafter
 
 KEY = "sk-test"
 GAMMA = GenerationConfig().gamma
@@ -217,6 +221,45 @@ def test_greedy_completion_equals_single_request_decode(servers, target, drafter
     assert spec["tau"] == pytest.approx(ref.tau)
     by_ids = s.client().completions.create(model="tiny", prompt=ids, max_tokens=50, temperature=0)
     assert by_ids.choices[0].text == resp.choices[0].text
+
+
+def tree_drafter(kind: str, target: Target):
+    """EAGLE-3 as a dynamic tree (random weights), or a tree whose best branch is the target's greedy path."""
+    if kind == "oracle-tree":
+        return lambda: ArgmaxTreeDrafter(target)
+    torch.manual_seed(0)
+    cfg = DrafterConfig(method="eagle3", feature_layers=(0, 1, 2), gamma=4)
+    model = STRATEGIES["eagle3"].build(cfg, target)
+
+    def make():
+        d = STRATEGIES["eagle3"].drafter(model, cfg, target)
+        d.set_tree(depth=4, top_k=3, total_tokens=12)
+        return d
+
+    return make
+
+
+@pytest.mark.parametrize("kind", ["eagle3-tree", "oracle-tree"])
+def test_tree_drafter_served_equals_generate(target, kind):
+    """Draft trees through the OpenAI endpoint (the batched engine, two requests in flight) give
+    `generate`'s tokens and rounds (float32 greedy)."""
+    make = tree_drafter(kind, target)
+    s = start_server(target, make, kind, api_key=None)
+    try:
+        prompts = [PROMPT, "Jumps over the lazy dog"]
+        refs = [generate(target, make(), target.encode_prompt(p, chat=False), SamplingParams(),
+                         GenerationConfig(max_new_tokens=40, gamma=GAMMA)) for p in prompts]
+        ask = lambda p: s.client().completions.create(model="tiny", prompt=p, max_tokens=40, temperature=0)  # noqa: E731
+        with ThreadPoolExecutor(2) as pool:
+            resps = list(pool.map(ask, prompts))
+        for resp, ref in zip(resps, refs):
+            assert resp.choices[0].text == target.decode(ref.token_ids)
+            spec = resp.usage.model_extra["speculative"]
+            assert spec["rounds"] == len(ref.rounds) and spec["accepted_draft_tokens"] == sum(r.accepted for r in ref.rounds)
+        if kind == "oracle-tree":
+            assert all(ref.tau > 2.0 for ref in refs)  # multi-token paths were committed
+    finally:
+        s.stop()
 
 
 def test_streaming_concatenation_equals_non_streamed(srv):

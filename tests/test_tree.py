@@ -14,7 +14,6 @@ from selfdraft.sampling import sample
 from selfdraft.target import Target
 from selfdraft.tree import (
     ancestor_mask,
-    commit_path,
     depths,
     prune_depth,
     root_to_leaf_paths,
@@ -78,8 +77,9 @@ def test_tree_forward_equals_chain_forward_per_path(tiny_target):
 
 
 @pytest.mark.parametrize("path", [[], [8], [0, 2, 5, 7], [1, 4]])
-def test_commit_path_keeps_exactly_the_accepted_kv(tiny_target, path):
-    """After commit_path the next decode step's logits equal a fresh forward over the committed sequence."""
+def test_keep_rows_keeps_exactly_the_accepted_kv(tiny_target, path):
+    """After keeping the accepted path's rows (what a tree round does) the next decode step's logits
+    equal a fresh forward over the committed sequence."""
     prompt = [3, 9, 4, 7, 1]
     tokens = torch.randint(0, 96, (PARENTS.numel(),), generator=torch.Generator().manual_seed(1))
     anchor, nxt = 11, 42
@@ -87,13 +87,15 @@ def test_commit_path_keeps_exactly_the_accepted_kv(tiny_target, path):
     tiny_target.forward(torch.tensor([prompt]), cache)
     t = tree_inputs(PARENTS, len(prompt), torch.float32)
     step = tiny_target.forward(torch.cat([torch.tensor([anchor]), tokens])[None], cache, (), t.position_ids, t.attention_mask)
-    kept = commit_path(tiny_target, cache, step, len(prompt), path)
+    rows = [0] + [i + 1 for i in path]
+    tiny_target.keep_rows(cache, len(prompt), torch.tensor(rows))
+    kept = step.logits[:, rows]
     committed = prompt + [anchor] + tokens[path].tolist()
-    assert cache.get_seq_length() == len(committed) and kept.logits.shape[1] == len(path) + 1
+    assert cache.get_seq_length() == len(committed) and kept.shape[1] == len(path) + 1
     after = tiny_target.forward(torch.tensor([[nxt]]), cache)
     fresh = tiny_target.forward(torch.tensor([committed + [nxt]]), None)
     torch.testing.assert_close(after.logits[0, -1], fresh.logits[0, -1], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(kept.logits[0], fresh.logits[0, len(prompt) : -1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kept[0], fresh.logits[0, len(prompt) : -1], atol=1e-5, rtol=1e-5)
 
 
 # --------------------------------------------------------------------------- the sibling rule

@@ -1,4 +1,13 @@
-"""The speculative decoding loop for one request (docs/architecture.md#one-round)."""
+"""One request's speculative decoding, one round at a time (docs/architecture.md#one-round).
+
+`Speculation` owns one request's round, for draft chains and trees alike: propose -> one target
+forward -> verify -> commit -> observe -> roll back. Its three callers share that code:
+
+- `generate` (below): `prefill`, then `round` until done, on the request's own KV cache;
+- the batched engine (engine.py): `clip` and `block` per request, ONE padded target forward for
+  all of them, then `commit` per request; the engine keeps each request's `kept_rows` in its cache;
+- DSpark calibration (training/calibrate.py): `round` with a full block its own code drafts.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +22,7 @@ from selfdraft.drafters.base import Drafter, Proposal
 from selfdraft.sampling import block_contexts, probs_from_logits, process_logits
 from selfdraft.scheduler import AcceptanceHistory, Scheduler
 from selfdraft.target import Target, TargetError, TargetStep
-from selfdraft.tree import commit_path, depths, tree_inputs
+from selfdraft.tree import ancestor_mask, depths, tree_inputs
 from selfdraft.verify import Verification, verify_chain, verify_greedy, verify_tree
 
 
@@ -37,7 +46,7 @@ class GenerationResult:
     rounds: list[RoundStats] = field(default_factory=list)
     elapsed_s: float = 0.0
     prefill_s: float = 0.0
-    finish_reason: str = "length"  # "eos" | "length"
+    finish_reason: str = "length"  # "eos" | "length" (the engine adds "cancelled" | "error")
 
     @property
     def accepted_lengths(self) -> list[int]:
@@ -89,6 +98,192 @@ def _row_contexts(generated: Sequence[int], proposal: Proposal, n: int) -> list[
     return rows
 
 
+@dataclass
+class VerifyBlock:
+    """The rows one request puts through the verification forward: [anchor, d_1 .. d_n]."""
+
+    ids: torch.Tensor  # [n+1] int64: the anchor (last committed token), then the drafts
+    past: int  # tokens in the request's cache (committed except the anchor) = the anchor's position
+    parents: torch.Tensor | None = None  # [n] a tree's parent pointers (tree.py); None = a chain
+
+    @property
+    def width(self) -> int:
+        return self.ids.shape[0]
+
+    def positions(self) -> torch.Tensor:
+        """[n+1] past + depth: a chain's row i sits at past + i, a tree node at past + its depth."""
+        if self.parents is None:
+            return self.past + torch.arange(self.width)
+        return self.past + torch.cat([torch.zeros(1, dtype=torch.long), depths(self.parents)])
+
+    def visible(self) -> torch.Tensor:
+        """[n+1, n+1] bool: block row i sees block row j (causal for a chain, ancestry for a tree)."""
+        if self.parents is None:
+            return torch.ones(self.width, self.width, dtype=torch.bool).tril()
+        return ancestor_mask(self.parents)
+
+
+@dataclass
+class RoundOutcome:
+    """What one round did for one request."""
+
+    new_tokens: list[int]  # committed: accepted drafts + the target's token, cut after an EOS
+    verification: Verification
+    kept_rows: list[int]  # block rows that stay in the cache: the old anchor + accepted drafts (len(new_tokens))
+    stats: RoundStats
+    logits: torch.Tensor  # [n+1, V] the target's raw logits over the whole block (calibration reads them)
+    finished: bool  # the request is done (EOS or max_new_tokens)
+
+
+class Speculation:
+    """One request: its committed tokens, drafter, sampling state and generator, one round at a time.
+
+    The target's KV cache is the caller's: `prefill` and `round` take it, `commit` leaves it to the
+    caller (the batched engine keeps `kept_rows` in its own padded cache)."""
+
+    def __init__(self, target: Target, drafter: Drafter, prompt_ids: list[int], params: SamplingParams = SamplingParams(),
+                 config: GenerationConfig = GenerationConfig(), generator: torch.Generator | None = None,
+                 request_id: int = 0, scheduler: Scheduler | None = None) -> None:
+        P = len(prompt_ids)
+        if P == 0:
+            raise TargetError("empty prompt")
+        if P + config.max_new_tokens > target.max_context:
+            raise TargetError(
+                f"prompt ({P} tokens) + max_new_tokens ({config.max_new_tokens}) exceeds the target's "
+                f"context of {target.max_context} tokens: shorten the prompt or lower max_new_tokens"
+            )
+        self.id, self.target, self.drafter, self.params, self.config = request_id, target, drafter, params, config
+        self.prompt = list(prompt_ids)
+        if generator is None and params.seed is not None:
+            generator = torch.Generator().manual_seed(params.seed)
+        self.generator = generator
+        self.out: list[int] = []  # generated so far; the last one is the next round's anchor
+        self.result = GenerationResult(prompt_token_ids=list(prompt_ids), token_ids=self.out)
+        self.done = False
+        self.t_start = 0.0
+        # The single-request scheduler (the batched engine schedules the whole batch itself):
+        self.scheduler = scheduler
+        self.draft_s = 0.0  # EMA of the drafting time, the round's cost besides the forward
+        self.history = AcceptanceHistory(config.gamma)  # ĉ_k for drafters without confidences
+
+    @property
+    def tokens(self) -> list[int]:
+        """Prompt + generated so far (what the drafter reads)."""
+        return self.prompt + self.out
+
+    @property
+    def budget(self) -> int:
+        """Drafts this round may verify: γ, fewer near max_new_tokens (one slot stays for the target's token)."""
+        return min(self.config.gamma, self.config.max_new_tokens - len(self.out) - 1)
+
+    def prefill(self, cache) -> list[int]:
+        """One forward over the prompt [1, P] (logits at the last position only) -> the first token,
+        chosen by the same `verify` with an empty proposal, so it follows p exactly. The cache then
+        holds the prompt; the first token is round 1's anchor."""
+        self.t_start = time.perf_counter()
+        step = self.target.forward(torch.tensor([self.prompt]), cache, self.drafter.feature_layers, last_only=True)
+        self.out.append(verify(step.logits[0, -1:], Proposal.empty(), self.params, self.generator, ()).next_token)
+        self.drafter.begin(list(self.prompt), step)
+        self.drafter.prompt_len = len(self.prompt)
+        self.result.prefill_s = time.perf_counter() - self.t_start
+        self._check_done()
+        return list(self.out)
+
+    def propose(self) -> Proposal:
+        """The drafter's proposal for this round, clipped to the budget; with a scheduler, only the
+        ℓ drafts it admits (docs/scheduler.md#one-request-online-admission)."""
+        d, args = self.drafter, (self.tokens, self.budget, self.params, self.generator)
+        if self.scheduler is None or d.drafts_trees:  # a tree is verified whole
+            return self.clip(d.propose(*args))
+        admission = self.scheduler.admission(self.draft_s)
+        if d.gives_confidences:  # ℓ reads c_1..c_ℓ only (lossless); drafting stops at the first refusal
+            return self.clip(d.propose_until(*args, admission))
+        # No c_k: ℓ from this request's past rounds, chosen before drafting (ℓ = 0 drafts nothing).
+        ell = self.budget if admission is None else self.history.admitted(admission, self.budget)
+        return self.clip(d.propose(self.tokens, ell, self.params, self.generator))
+
+    def clip(self, proposal: Proposal) -> Proposal:
+        """At most `budget` drafts (a tree: depth <= budget), on the CPU where verification samples."""
+        return proposal.truncate(self.budget).cpu()
+
+    def block(self, proposal: Proposal) -> VerifyBlock:
+        return VerifyBlock(torch.cat([torch.tensor([self.out[-1]]), proposal.tokens]),
+                           len(self.prompt) + len(self.out) - 1, proposal.parents)
+
+    def round(self, cache, proposal: Proposal | None = None) -> RoundOutcome:
+        """One whole round on this request's own cache; `proposal` replaces the drafter's (calibration)."""
+        t0 = time.perf_counter()
+        # 1. Propose at most `budget` drafts: tokens [n] (+ parents [n] for a tree).
+        proposal = self.propose() if proposal is None else self.clip(proposal)
+        b = self.block(proposal)
+        t1 = time.perf_counter()
+        self.draft_s = 0.8 * self.draft_s + 0.2 * (t1 - t0) if self.draft_s else t1 - t0
+        # 2. One target forward over [anchor, d_1..d_n] -> TargetStep [1, n+1, ...].
+        if b.parents is None:
+            step = self.target.forward(b.ids[None], cache, self.drafter.feature_layers)
+        else:  # each node sees its ancestors, at position past + depth (tree.py)
+            t = tree_inputs(b.parents, b.past, self.target.model.dtype)
+            step = self.target.forward(b.ids[None], cache, self.drafter.feature_layers, t.position_ids, t.attention_mask)
+        # 3-5. Verify, commit, observe: the code the engine runs after its batched forward.
+        out = self.commit(proposal, step, t1 - t0, time.perf_counter() - t1)
+        # 6. Roll the cache back to the committed tokens: a chain drops its tail, a tree keeps its path's rows.
+        if b.parents is None:
+            self.target.rollback(cache, b.past + len(out.kept_rows))
+        else:
+            self.target.keep_rows(cache, b.past, torch.tensor(out.kept_rows))
+        return out
+
+    def commit(self, proposal: Proposal, step: TargetStep, draft_s: float = 0.0, forward_s: float = 0.0) -> RoundOutcome:
+        """Steps 3-5 of a round. step: the verification forward at this request's block rows,
+        [1, n+1, ...] with its drafter's feature layers."""
+        t0 = time.perf_counter()
+        # 3. Verify: accepted drafts + one target token (greedy, chain rejection sampling or the sibling rule).
+        v = verify(step.logits[0], proposal, self.params, self.generator, self.out)
+        # 4. Commit, cut after an EOS.
+        new = v.tokens
+        if self.config.stop_on_eos:
+            eos_at = next((i for i, t in enumerate(new) if t in self.target.eos_ids), None)
+            new = new if eos_at is None else new[: eos_at + 1]
+        self.out.extend(new)
+        # 5. The drafter observes the target's states at the rows that stay: the old anchor and the
+        #    accepted drafts (a tree: its accepted path), as if a chain of them had been verified.
+        n, chain = proposal.tokens.shape[0], proposal.parents is None
+        rows = list(range(len(new))) if chain else [0] + [i + 1 for i in v.path[: len(new) - 1]]
+        self.drafter.observe(v, _pick_rows(step, rows, chain))
+        if chain:
+            self.history.update(n, v.num_accepted)
+        depth = n if chain or n == 0 else int(depths(proposal.parents).max())
+        stats = RoundStats(n, v.num_accepted, draft_s, forward_s + time.perf_counter() - t0, depth)
+        self.result.rounds.append(stats)
+        return RoundOutcome(new, v, rows, stats, step.logits[0], self._check_done())
+
+    def _check_done(self) -> bool:
+        """The stop rule (EOS, max_new_tokens); sets done and the finish reason."""
+        if self.config.stop_on_eos and self.out[-1] in self.target.eos_ids:
+            self.result.finish_reason, self.done = "eos", True
+        elif len(self.out) >= self.config.max_new_tokens:
+            self.result.finish_reason, self.done = "length", True
+        return self.done
+
+    def close(self, reason: str | None = None) -> GenerationResult:
+        """End the request (`reason` overrides the stop rule's: "cancelled", "error") -> its result."""
+        if reason is not None:
+            self.result.finish_reason, self.done = reason, True
+        self.result.elapsed_s = time.perf_counter() - self.t_start if self.t_start else 0.0
+        return self.result
+
+
+def _pick_rows(step: TargetStep, rows: list[int], contiguous: bool) -> TargetStep:
+    """step [1, n+1, ...] -> [1, len(rows), ...] at block rows `rows` (a chain's are 0..k-1: views)."""
+    if contiguous:
+        k = len(rows)
+        feats = None if step.features is None else step.features[:, :k]
+        return TargetStep(logits=step.logits[:, :k], features=feats, last_hidden=step.last_hidden[:, :k])
+    idx = torch.tensor(rows)
+    pick = lambda t: None if t is None else t[:, idx.to(t.device)]  # noqa: E731
+    return TargetStep(logits=pick(step.logits), features=pick(step.features), last_hidden=pick(step.last_hidden))
+
+
 def generate(
     target: Target,
     drafter: Drafter,
@@ -98,92 +293,15 @@ def generate(
     on_tokens: Callable[[list[int]], None] | None = None,
     scheduler: Scheduler | None = None,
 ) -> GenerationResult:
-    """Prefill, then rounds of propose -> one target forward -> verify -> commit -> roll back.
-
-    scheduler: picks ℓ ≤ γ' drafts to verify from the proposal's confidences (None: all of them);
-    the hardware scheduler prices the round as one forward of ℓ + 1 tokens plus the drafting time."""
-    P = len(prompt_ids)
-    if P == 0:
-        raise TargetError("empty prompt")
-    if P + config.max_new_tokens > target.max_context:
-        raise TargetError(
-            f"prompt ({P} tokens) + max_new_tokens ({config.max_new_tokens}) exceeds the target's "
-            f"context of {target.max_context} tokens: shorten the prompt or lower max_new_tokens"
-        )
-    gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-    layers = drafter.feature_layers
-    res = GenerationResult(prompt_token_ids=list(prompt_ids), token_ids=[])
-    t_start = time.perf_counter()
-
-    # 1. Prefill: the cache holds every committed token except the last (the next anchor).
+    """One request: prefill, then `Speculation.round` until EOS or max_new_tokens. scheduler: picks
+    ℓ ≤ γ drafts to verify each round (None: all of them)."""
+    s = Speculation(target, drafter, prompt_ids, params, config, scheduler=scheduler)
     cache = target.new_cache()
-    step = target.forward(torch.tensor([prompt_ids]), cache, layers, last_only=True)
-    first = verify(step.logits[0, -1:], Proposal.empty(), params, gen, ()).next_token
-    drafter.begin(list(prompt_ids), step)
-    drafter.prompt_len = P
-    out = [first]
-    draft_s = 0.0  # EMA of the drafting time: the round's cost besides the forward
-    history = AcceptanceHistory(config.gamma)  # ĉ_k for drafters without confidences
-    res.prefill_s = time.perf_counter() - t_start
+    first = s.prefill(cache)
     if on_tokens:
-        on_tokens([first])
-
-    while not _finished(out, target, config, res):
-        # 2. Draft at most what still fits under max_new_tokens (one slot is kept for the bonus).
-        t0 = time.perf_counter()
-        budget = min(config.gamma, config.max_new_tokens - len(out) - 1)
-        if scheduler is None or drafter.drafts_trees:  # a tree is verified whole (priced by its nodes, not ℓ)
-            proposal = drafter.propose(prompt_ids + out, budget, params, gen)
-        elif drafter.gives_confidences:  # ℓ read from c_1..c_ℓ only (lossless); drafting stops there
-            proposal = drafter.propose_until(prompt_ids + out, budget, params, gen, scheduler.admission(draft_s))
-        else:  # no c_k: ℓ from this request's past rounds, chosen before drafting (ℓ = 0 drafts nothing)
-            admission = scheduler.admission(draft_s)
-            ell = budget if admission is None else history.admitted(admission, budget)
-            proposal = drafter.propose(prompt_ids + out, ell, params, gen)  # ℓ = 0: only the drafter's bookkeeping
-        proposal = proposal.truncate(budget).cpu()
-        t1 = time.perf_counter()
-        draft_s = 0.8 * draft_s + 0.2 * (t1 - t0) if draft_s else t1 - t0
-        # 3. One target forward over [anchor, d_1..d_γ'] -> logits [γ'+1, V].
-        block = torch.cat([torch.tensor([out[-1]]), proposal.tokens])[None]
-        past = P + len(out) - 1
-        if proposal.parents is None:
-            step = target.forward(block, cache, layers)
-        else:  # a draft tree: each node sees its ancestors, positions = depth (tree.py)
-            tree = tree_inputs(proposal.parents, past, target.model.dtype)
-            step = target.forward(block, cache, layers, tree.position_ids, tree.attention_mask)
-        # 4. Verify: accepted drafts + one target token.
-        v = verify(step.logits[0], proposal, params, gen, out)
-        # 5. Commit (stop at EOS) and 6. roll the cache back to the committed length.
-        new = v.tokens
-        if config.stop_on_eos:
-            eos_at = next((i for i, t in enumerate(new) if t in target.eos_ids), None)
-            new = new if eos_at is None else new[: eos_at + 1]
-        out.extend(new)
-        if proposal.parents is not None:  # only the accepted path's rows stay (KV cache and states)
-            step = commit_path(target, cache, step, past, v.path)
-        target.rollback(cache, P + len(out) - 1)
-        # 7. The drafter sees the target's states at the newly committed positions.
-        drafter.observe(v, _slice_step(step, v.num_accepted + 1))
-        if proposal.parents is None:
-            history.update(len(proposal.tokens), v.num_accepted)
-        depth = len(proposal.tokens) if proposal.parents is None or not len(proposal.tokens) else int(depths(proposal.parents).max())
-        res.rounds.append(RoundStats(len(proposal.tokens), v.num_accepted, t1 - t0, time.perf_counter() - t1, depth))
+        on_tokens(first)
+    while not s.done:
+        new = s.round(cache).new_tokens
         if on_tokens:
             on_tokens(new)
-
-    res.token_ids = out
-    res.elapsed_s = time.perf_counter() - t_start
-    return res
-
-
-def _finished(out: list[int], target: Target, config: GenerationConfig, res: GenerationResult) -> bool:
-    if config.stop_on_eos and out[-1] in target.eos_ids:
-        res.finish_reason = "eos"
-        return True
-    return len(out) >= config.max_new_tokens
-
-
-def _slice_step(step: TargetStep, n: int) -> TargetStep:
-    """Keep the first n positions of a TargetStep (the committed ones)."""
-    f = None if step.features is None else step.features[:, :n]
-    return TargetStep(logits=step.logits[:, :n], features=f, last_hidden=step.last_hidden[:, :n])
+    return s.close()

@@ -1,9 +1,10 @@
 """Batched speculative engine: many requests, ONE target forward per step (docs/architecture.md#batched-engine).
 
-Each request has its own committed tokens, drafter instance, SamplingParams and torch.Generator.
-A step: every active request drafts, the `Scheduler` picks ℓ_r, all requests' [anchor, first ℓ_r
-drafts] go through one target forward, each request is verified with the same functions as the
-single-request loop (`decode.verify`), and its drafter observes its committed states. Requests
+Each request is a `decode.Speculation` (its own committed tokens, drafter instance, SamplingParams
+and torch.Generator): the same round as `decode.generate`, with the forward batched. A step: every
+active request drafts (a chain or a tree), the `Scheduler` picks ℓ_r, all requests' blocks
+[anchor, drafts] go through one target forward, and each request verifies, commits and observes
+its own rows with `Speculation.commit`, so its output does not depend on the batch. Requests
 join (`add_request`, prefilled in their own forward at the next step) and leave (finish or
 `cancel`) between steps: continuous batching.
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -30,10 +31,10 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from selfdraft.config import GenerationConfig, SamplingParams
-from selfdraft.decode import GenerationResult, RoundStats, verify
-from selfdraft.drafters.base import Drafter, Proposal, propose_all
+from selfdraft.decode import GenerationResult, RoundStats, Speculation, VerifyBlock
+from selfdraft.drafters.base import Drafter, propose_all
 from selfdraft.scheduler import Scheduler
-from selfdraft.target import Target, TargetError, TargetStep
+from selfdraft.target import Target, TargetStep
 
 
 @dataclass
@@ -103,29 +104,11 @@ class PaddedCache:
         self.valid = self.valid.gather(1, order)
 
 
-@dataclass
-class _Request:
-    id: int
-    prompt: list[int]
-    drafter: Drafter
-    params: SamplingParams
-    config: GenerationConfig
-    generator: torch.Generator | None
-    result: GenerationResult
-    out: list[int] = field(default_factory=list)
-    t_start: float = 0.0
-
-    def finished(self, target: Target) -> bool:
-        """Same stopping rule as decode.generate; sets result.finish_reason."""
-        if self.config.stop_on_eos and self.out[-1] in target.eos_ids:
-            self.result.finish_reason = "eos"
-            return True
-        self.result.finish_reason = "length"
-        return len(self.out) >= self.config.max_new_tokens
-
-
 class Engine:
-    """Continuous-batching speculative engine. `add_request` -> id; `step()` -> [StepOutput]."""
+    """Continuous-batching speculative engine. `add_request` -> id; `step()` -> [StepOutput].
+
+    Each request is a `decode.Speculation`: the engine batches its drafting and its target forward,
+    and runs the rest of the round (verify, commit, observe) with the request's own `commit`."""
 
     def __init__(
         self, target: Target, scheduler: Scheduler | None = None, max_concurrency: int = 64, compact_slack: int = 64
@@ -135,8 +118,8 @@ class Engine:
         self.max_concurrency = max_concurrency
         self.compact_slack = compact_slack
         self.kv = PaddedCache(target)
-        self.active: list[_Request] = []  # row r of self.kv belongs to self.active[r]
-        self.pending: list[_Request] = []
+        self.active: list[Speculation] = []  # row r of self.kv belongs to self.active[r]
+        self.pending: list[Speculation] = []
         self.results: dict[int, GenerationResult] = {}
         self._next_id = 0
         self._draft_s = 0.0  # EMA of a step's drafting time: what `hardware` adds to 1 / SPS(B)
@@ -149,28 +132,20 @@ class Engine:
         config: GenerationConfig = GenerationConfig(),
     ) -> int:
         """Queue a request; it is prefilled at the next step. The drafter instance must be its own."""
-        if not prompt_ids:
-            raise TargetError("empty prompt")
-        if len(prompt_ids) + config.max_new_tokens > self.target.max_context:
-            raise TargetError(
-                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({config.max_new_tokens}) exceeds the "
-                f"target's context of {self.target.max_context} tokens"
-            )
-        rid, self._next_id = self._next_id, self._next_id + 1
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        res = GenerationResult(prompt_token_ids=list(prompt_ids), token_ids=[])
-        self.pending.append(_Request(rid, list(prompt_ids), drafter, params, config, gen, res))
-        return rid
+        s = Speculation(self.target, drafter, prompt_ids, params, config, request_id=self._next_id)
+        self._next_id += 1
+        self.pending.append(s)
+        return s.id
 
     def cancel(self, request_id: int) -> None:
         """Stop a request now (between steps); its partial result stays in `results`."""
-        for r, req in enumerate(self.active):
-            if req.id == request_id:
-                self._finish(req, "cancelled")
+        for r, s in enumerate(self.active):
+            if s.id == request_id:
+                self._finish(s, "cancelled")
                 del self.active[r]
                 self.kv.keep_rows([i for i in range(self.kv.rows) if i != r])
                 return
-        self.pending = [q for q in self.pending if q.id != request_id]
+        self.pending = [s for s in self.pending if s.id != request_id]
 
     @property
     def has_unfinished(self) -> bool:
@@ -182,17 +157,13 @@ class Engine:
         if not self.active:
             return outputs
         reqs = self.active
-        # 1. Every request drafts at most what still fits under max_new_tokens (one slot for the bonus).
+        # 1. Every request proposes within its budget (drafters sharing weights in one batched call).
         t0 = time.perf_counter()
-        budgets = [min(q.config.gamma, q.config.max_new_tokens - len(q.out) - 1) for q in reqs]
         errors: dict[int, Exception] = {}
         proposals = propose_all(
-            [q.drafter for q in reqs], [q.prompt + q.out for q in reqs], budgets,
-            [q.params for q in reqs], [q.generator for q in reqs], errors,
+            [s.drafter for s in reqs], [s.tokens for s in reqs], [s.budget for s in reqs],
+            [s.params for s in reqs], [s.generator for s in reqs], errors,
         )
-        for r, p in enumerate(proposals):
-            if p.parents is not None and r not in errors:
-                errors[r] = TargetError("a drafter drafts a tree; the batched engine verifies chains (use decode.generate)")
         if errors:  # those requests fail alone; the others go on as if they had never been there
             keep = [r for r in range(len(reqs)) if r not in errors]
             outputs += [self._fail(reqs[r], errors[r]) for r in sorted(errors)]
@@ -200,42 +171,35 @@ class Engine:
             self.kv.keep_rows(keep)
             if not self.active:
                 return outputs
-            reqs, budgets, proposals = self.active, [budgets[r] for r in keep], [proposals[r] for r in keep]
-        proposals = [p.truncate(n).cpu() for p, n in zip(proposals, budgets)]
-        # 2. The scheduler picks ℓ_r from the confidences, SPS and the drafting time (an EMA of past steps).
+            reqs, proposals = self.active, [proposals[r] for r in keep]
+        proposals = [s.clip(p) for s, p in zip(reqs, proposals)]
+        # 2. The scheduler picks ℓ_r from the confidences, SPS and the drafting time (an EMA of past
+        #    steps); a tree keeps depth <= ℓ_r (drafts without confidences are verified in full).
         ells = self.scheduler.lengths(proposals, overhead_s=self._draft_s)
         proposals = [p.truncate(n) for p, n in zip(proposals, ells)]
+        blocks = [s.block(p) for s, p in zip(reqs, proposals)]
         t1 = time.perf_counter()
-        # 3. ONE target forward over [anchor_r, d_r1..d_rℓ_r], padded to W = max ℓ_r + 1.
-        step, layers = self._verify_forward(reqs, proposals, ells)
-        verify_s = time.perf_counter() - t1
+        # 3. ONE target forward over every request's block [anchor, drafts], padded to W = max width.
+        step, layers = self._verify_forward(blocks, reqs)
+        forward_s = time.perf_counter() - t1
         self._draft_s = (t1 - t0) if self._draft_s == 0.0 else 0.8 * self._draft_s + 0.2 * (t1 - t0)
-        # 4. Verify each request with its own generator; commit (stop at EOS).
+        # 4. Each request verifies, commits and observes its own rows (Speculation.commit, as in generate).
         keep_slots = torch.zeros(len(reqs), step.logits.shape[1], dtype=torch.bool)
         alive = []
-        for r, (q, p) in enumerate(zip(reqs, proposals)):
+        for r, (s, p, b) in enumerate(zip(reqs, proposals, blocks)):
             try:  # a request whose verification fails (e.g. its parameters) fails alone
-                v = verify(step.logits[r, : ells[r] + 1], p, q.params, q.generator, q.out)
-                new = v.tokens
-                if q.config.stop_on_eos:
-                    eos_at = next((i for i, t in enumerate(new) if t in self.target.eos_ids), None)
-                    new = new if eos_at is None else new[: eos_at + 1]
-                # 5. The drafter sees the target's states at the newly committed positions.
-                q.drafter.observe(v, _row_step(step, r, v.num_accepted + 1, layers, q.drafter.feature_layers))
+                own = _row_step(step, r, b.width, layers, s.drafter.feature_layers)
+                o = s.commit(p, own, (t1 - t0) / len(reqs), forward_s)
             except Exception as e:  # noqa: BLE001  (reported in its StepOutput)
-                outputs.append(self._fail(q, e))
+                outputs.append(self._fail(s, e))
                 continue
-            q.out.extend(new)
-            keep_slots[r, : v.num_accepted + 1] = True  # the old anchor + accepted drafts
-            stats = RoundStats(len(p.tokens), v.num_accepted, (t1 - t0) / len(reqs), verify_s)
-            q.result.rounds.append(stats)
-            done = q.finished(self.target)
-            if done:
-                self._finish(q, q.result.finish_reason)
+            keep_slots[r, o.kept_rows] = True  # the old anchor + accepted drafts (a tree: its path)
+            if o.finished:
+                self._finish(s)
             else:
                 alive.append(r)
-            outputs.append(StepOutput(q.id, new, done, q.result.finish_reason if done else None, stats))
-        # 6. Cache: keep anchors + accepted drafts, drop finished rows, squeeze holes when they pile up.
+            outputs.append(StepOutput(s.id, o.new_tokens, o.finished, s.result.finish_reason if o.finished else None, o.stats))
+        # 5. Cache: keep anchors + accepted drafts, drop finished rows, squeeze holes when they pile up.
         self.kv.valid = torch.cat([self.kv.valid, keep_slots], 1)
         self.active = [reqs[r] for r in alive]
         self.kv.keep_rows(alive)
@@ -243,58 +207,59 @@ class Engine:
             self.kv.compact(self.compact_slack)
         return outputs
 
-    def _verify_forward(
-        self, reqs: list[_Request], proposals: list[Proposal], ells: list[int]
-    ) -> tuple[TargetStep, tuple[int, ...]]:
-        """Input [R, W] (pads repeat the anchor), positions = committed count + i, mask = valid
-        cache slots + the request's own ℓ_r + 1 block slots. Returns the step ([R, W, ...]) and the
-        union of the drafters' feature layers it carries."""
-        W = max(ells) + 1
-        ids = torch.stack([torch.tensor([q.out[-1]] * W) for q in reqs])  # [R, W]
-        for r, p in enumerate(proposals):
-            ids[r, 1 : ells[r] + 1] = p.tokens
-        anchor_pos = torch.tensor([len(q.prompt) + len(q.out) - 1 for q in reqs])  # = cached tokens per row
-        assert torch.equal(self.kv.valid.sum(1), anchor_pos), "cache rows out of sync with committed tokens"
-        pos = (anchor_pos[:, None] + torch.arange(W)).clamp(max=self.target.max_context - 1)  # [R, W]
-        block = torch.arange(W)[None] <= torch.tensor(ells)[:, None]  # [R, W]
-        mask = torch.cat([self.kv.valid, block], 1).long()  # [R, S + W]
-        layers = tuple(sorted(set().union(*(q.drafter.feature_layers for q in reqs))))
+    def _verify_forward(self, blocks: list[VerifyBlock], reqs: list[Speculation]) -> tuple[TargetStep, tuple[int, ...]]:
+        """Input [R, W] (pads repeat the anchor). Chains only: positions past + i and HF's 2D padding
+        mask [R, S + W] (valid cache slots + the request's own block slots). With a tree among them:
+        each block's own positions (past + depth) and a 4D additive mask [R, 1, W, S + W] (valid
+        cache slots + the block's ancestry; a pad row sees only itself). Returns the step ([R, W, ...])
+        and the union of the drafters' feature layers it carries."""
+        R, W, S = len(blocks), max(b.width for b in blocks), self.kv.valid.shape[1]
+        ids = torch.stack([F.pad(b.ids, (0, W - b.width), value=int(b.ids[0])) for b in blocks])  # [R, W]
+        past = torch.tensor([b.past for b in blocks])  # [R] = cached tokens per row
+        assert torch.equal(self.kv.valid.sum(1), past), "cache rows out of sync with committed tokens"
+        widths = torch.tensor([b.width for b in blocks])
+        if all(b.parents is None for b in blocks):
+            pos = (past[:, None] + torch.arange(W)).clamp(max=self.target.max_context - 1)  # [R, W]
+            mask = torch.cat([self.kv.valid, torch.arange(W)[None] < widths[:, None]], 1).long()  # [R, S + W]
+        else:
+            pos = past[:, None].repeat(1, W)  # pads at the anchor's position (their outputs are dropped)
+            see = torch.zeros(R, W, S + W, dtype=torch.bool)
+            see[:, :, :S] = self.kv.valid[:, None]
+            see[:, torch.arange(W), S + torch.arange(W)] = True
+            for r, b in enumerate(blocks):
+                pos[r, : b.width] = b.positions()
+                see[r, : b.width, S : S + b.width] = b.visible()
+            dtype = self.target.model.dtype
+            mask = torch.zeros(see.shape, dtype=dtype).masked_fill(~see, torch.finfo(dtype).min)[:, None]
+        layers = tuple(sorted(set().union(*(s.drafter.feature_layers for s in reqs))))
         return self.target.forward(ids, self.kv.cache, layers, position_ids=pos, attention_mask=mask), layers
 
     def _admit(self) -> list[StepOutput]:
         """Prefill pending requests (each in its own forward) while there is room; emit first tokens."""
         outputs = []
         while self.pending and len(self.active) < self.max_concurrency:
-            q = self.pending.pop(0)
-            q.t_start = time.perf_counter()
+            s = self.pending.pop(0)
             row = self.target.new_cache(dynamic=True)
             try:  # a request whose prefill fails (e.g. its parameters) fails alone
-                step = self.target.forward(torch.tensor([q.prompt]), row, q.drafter.feature_layers, last_only=True)
-                q.out.append(verify(step.logits[0, -1:], Proposal.empty(), q.params, q.generator, ()).next_token)
-                q.drafter.begin(list(q.prompt), step)
-                q.drafter.prompt_len = len(q.prompt)
+                first = s.prefill(row)
             except Exception as e:  # noqa: BLE001  (reported in its StepOutput)
-                outputs.append(self._fail(q, e))
+                outputs.append(self._fail(s, e))
                 continue
-            q.result.prefill_s = time.perf_counter() - q.t_start
-            done = q.finished(self.target)
-            outputs.append(StepOutput(q.id, [q.out[0]], done, q.result.finish_reason if done else None))
-            if done:
-                self._finish(q, q.result.finish_reason)
+            outputs.append(StepOutput(s.id, first, s.done, s.result.finish_reason if s.done else None))
+            if s.done:
+                self._finish(s)
             else:
-                self.active.append(q)
+                self.active.append(s)
                 self.kv.add_row(row)
         return outputs
 
-    def _fail(self, q: _Request, e: Exception) -> StepOutput:
-        """End request q with finish reason "error" (the caller removes it from the batch)."""
-        self._finish(q, "error")
-        return StepOutput(q.id, [], True, "error", error=e)
+    def _fail(self, s: Speculation, e: Exception) -> StepOutput:
+        """End request s with finish reason "error" (the caller removes it from the batch)."""
+        self._finish(s, "error")
+        return StepOutput(s.id, [], True, "error", error=e)
 
-    def _finish(self, q: _Request, reason: str) -> None:
-        q.result.token_ids, q.result.finish_reason = q.out, reason
-        q.result.elapsed_s = time.perf_counter() - q.t_start if q.t_start else 0.0
-        self.results[q.id] = q.result
+    def _finish(self, s: Speculation, reason: str | None = None) -> None:
+        self.results[s.id] = s.close(reason)
 
     def run(self) -> dict[int, GenerationResult]:
         """Step until every queued request has finished; results by request id."""
@@ -307,7 +272,9 @@ def _row_step(step: TargetStep, r: int, n: int, layers: tuple[int, ...], own: tu
     """Request r's first n positions, with only its own drafter's feature layers ([1, n, ...])."""
     feats = None
     if own:
-        feats = step.features[r : r + 1, :n][:, :, [layers.index(i) for i in own]]
+        feats = step.features[r : r + 1, :n]
+        if own != layers:
+            feats = feats[:, :, [layers.index(i) for i in own]]
     return TargetStep(logits=step.logits[r : r + 1, :n], features=feats, last_hidden=step.last_hidden[r : r + 1, :n])
 
 

@@ -7,7 +7,8 @@ anchor and row i + 1 is node i. Every row attends to the whole committed prefix 
 inside the block, to itself and its ancestors; its position is past + depth (anchor depth 0), so a
 root-to-leaf path sees exactly what a chain forward of that path would see (docs/verification.md#draft-trees).
 
-After verification only the accepted path's rows stay in the KV cache (`commit_path`).
+After verification only the anchor's and the accepted path's rows stay in the KV cache, moved to
+positions past, past + 1, .. (`Target.keep_rows`, called by `decode.Speculation.round`).
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from selfdraft.target import Target, TargetStep
 
 
 def check_parents(parents: torch.Tensor) -> None:
@@ -94,12 +93,3 @@ def tree_inputs(parents: torch.Tensor, past: int, dtype: torch.dtype) -> TreeInp
     pos = past + torch.cat([torch.zeros(1, dtype=torch.long), depths(parents)])
     return TreeInputs(position_ids=pos[None], attention_mask=bias[None, None])
 
-
-def commit_path(target: Target, cache, step: TargetStep, past: int, path: list[int]) -> TargetStep:
-    """After verifying a tree: keep only the block rows [anchor, *path] in the KV cache (moved to
-    positions past, past+1, ..) and in the target states, so the cache equals a chain forward of
-    the committed tokens. step: the tree forward's TargetStep [1, N+1, ...] -> [1, len(path)+1, ...]."""
-    rows = torch.tensor([0] + [i + 1 for i in path], dtype=torch.long)
-    target.keep_rows(cache, past, rows)
-    pick = lambda t: None if t is None else t[:, rows.to(t.device)]  # noqa: E731
-    return TargetStep(logits=pick(step.logits), features=pick(step.features), last_hidden=pick(step.last_hidden))

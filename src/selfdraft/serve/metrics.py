@@ -68,7 +68,7 @@ class ServerMetrics:
             self.accepted_tokens.inc(r.accepted)
             self._rounds += 1
             self._round_tokens += r.accepted + 1
-            for k in range(1, min(r.proposed, r.accepted + 1, self.gamma) + 1):  # draft k verified after k-1 accepted
+            for k in range(1, min(r.depth, r.accepted + 1, self.gamma) + 1):  # draft k verified after k-1 accepted
                 hit = r.accepted >= k
                 self.position_tried.labels(str(k)).inc()
                 self._tried[k - 1] += 1

@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from selfdraft.checkpoint import FORMAT, WEIGHTS_FILE, CheckpointError, atomic_dir, load_checkpoint
-from selfdraft.config import SamplingParams
-from selfdraft.decode import _slice_step, verify
+from selfdraft.config import GenerationConfig, SamplingParams
+from selfdraft.decode import Speculation
 from selfdraft.drafters.base import Proposal
 from selfdraft.drafters.dflash import lm_logits
 from selfdraft.progress import progress_bar
@@ -152,16 +152,17 @@ def collect_rounds(
 
     drafter: a DSpark inference drafter (load_checkpoint) with a confidence head.
     """
-    model, gamma, layers = drafter.model, drafter.cfg.gamma, drafter.feature_layers
+    model, gamma = drafter.model, drafter.cfg.gamma
     gen = torch.Generator().manual_seed(seed)
+    # Room for γ tokens past max_new_tokens keeps every round's budget at the full block.
+    config = GenerationConfig(max_new_tokens=max_new_tokens + gamma, gamma=gamma)
     zs, accs = [], []
     for prompt in progress_bar(prompts, desc="calibration rounds", unit="prompt"):
+        s = Speculation(target, drafter, prompt, params, config, generator=gen)
         cache = target.new_cache()
-        step = target.forward(torch.tensor([prompt]), cache, layers, last_only=True)
-        out = [verify(step.logits[0, -1:], Proposal.empty(), params, gen).next_token]
-        drafter.begin(list(prompt), step)
-        while len(out) < max_new_tokens and out[-1] not in target.eos_ids:
-            tokens = prompt + out
+        s.prefill(cache)
+        while not s.done and len(s.out) < max_new_tokens:
+            tokens = s.tokens
             # 1. The whole block of γ drafts, and the raw z_k the head computes for them.
             h = drafter.draft_states(tokens, gamma)  # [γ, H]
             if params.greedy:
@@ -172,21 +173,17 @@ def collect_rounds(
             prev = torch.cat([torch.tensor([tokens[-1]]), block.tokens[:-1]])  # x_{k-1}, x_0 = the anchor
             zs.append(model.heads(h[None], prev[None]).z[0].float())
             q = None if params.greedy else probs_from_logits(block.logits, params)
-            # 2. One target forward over [anchor, x_1..x_γ]: full-block verification.
-            step = target.forward(torch.cat([torch.tensor([tokens[-1]]), block.tokens])[None], cache, layers)
-            p = probs_from_logits(step.logits[0, :gamma], params)  # [γ, V] at each drafted prefix
-            # 3. Acceptance of draft k given 1..k-1: greedy match, or the chain rule's coin.
+            # 2. One decoding round with that block (full-block verification, no scheduler):
+            #    target forward over [anchor, x_1..x_γ], verify, commit, observe, roll back.
+            out = s.round(cache, Proposal(block.tokens, q))
+            # 3. Acceptance of draft k given 1..k-1 at its drafted prefix: greedy match, or the chain rule's coin.
+            p = probs_from_logits(out.logits[:gamma], params)  # [γ, V]
             p_x = p.gather(1, block.tokens[:, None]).squeeze(1)
             if params.greedy:
                 accs.append(p_x > 0.5)
             else:
                 ratio = (p_x / q.gather(1, block.tokens[:, None]).squeeze(1)).clamp(max=1.0)
                 accs.append(torch.rand(gamma, generator=gen) < ratio)
-            # 4. Commit as decoding does, roll the cache back, let the drafter observe.
-            v = verify(step.logits[0], Proposal(block.tokens, q), params, gen)
-            out.extend(v.tokens)
-            target.rollback(cache, len(prompt) + len(out) - 1)
-            drafter.observe(v, _slice_step(step, v.num_accepted + 1))
     if not zs:
         raise CheckpointError("no calibration rounds: give more prompts or a larger max_new_tokens")
     return HeldOutRounds(torch.stack(zs), torch.stack(accs))
