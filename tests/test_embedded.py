@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from selfdraft.cli import app
 from selfdraft.config import GenerationConfig, SamplingParams
 from selfdraft.decode import generate
-from selfdraft.drafters import load_drafter
+from selfdraft.loader import load_drafter
 
 pytestmark = pytest.mark.slow
 

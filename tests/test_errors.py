@@ -12,7 +12,8 @@ from transformers import ViTConfig
 from selfdraft.cli import app
 from selfdraft.config import ConfigError, DrafterConfig, GenerationConfig, SamplingParams, from_dict
 from selfdraft.decode import generate
-from selfdraft.drafters import REGISTRY, load_drafter
+from selfdraft.drafters import REGISTRY
+from selfdraft.loader import load_drafter
 from selfdraft.target import Target, TargetError
 from tests.conftest import tiny_llama
 

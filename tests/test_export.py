@@ -18,11 +18,11 @@ from safetensors.torch import load_file, save_file
 from selfdraft.checkpoint import DRAFT_VOCAB_FILE, CheckpointError, atomic_dir, write_checkpoint_files
 from selfdraft.config import DrafterConfig, GenerationConfig, SamplingParams
 from selfdraft.decode import generate
-from selfdraft.drafters import load_drafter
+from selfdraft.loader import load_drafter
 from selfdraft.export import METHODS, export_speculators, is_speculators_dir
 from selfdraft.target import Target, TargetStep
-from selfdraft.training.data import DraftVocab
 from selfdraft.training.strategy import STRATEGIES
+from selfdraft.vocab import DraftVocab
 from tests.conftest import tiny_llama
 
 V = 96  # tiny_llama's vocabulary
@@ -159,7 +159,7 @@ def test_mask_token_id_uses_the_targets_frozen_embedding_row(target):
     learned.load_state_dict({**row_model.state_dict(), "mask_embedding": target.embed(torch.tensor(7)).detach()})
     T, pos = 10, torch.tensor([[4, 8]])
     feats = torch.randn(1, T, len(row_model.fc.weight[0]) // target.hidden_size, target.hidden_size)
-    from selfdraft.training.masks import block_attention_mask
+    from selfdraft.drafters.blocks import block_attention_mask
 
     def h(m):
         ctx = m.context_kv(m.context(feats), torch.arange(T)[None])

@@ -164,7 +164,7 @@ def test_cli_trains_dspark_and_its_drafts_are_lossless(target_dir, data, tmp_pat
     """End to end: `selfdraft train --method dspark` -> load_drafter(dir) -> greedy output == plain greedy."""
     from selfdraft.config import GenerationConfig
     from selfdraft.decode import generate
-    from selfdraft.drafters import load_drafter
+    from selfdraft.loader import load_drafter
 
     out = tmp_path / "dspark"
     res = run_cli("--method", "dspark", "--target", str(target_dir), "--data", str(data), "--out", str(out),

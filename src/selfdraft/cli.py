@@ -99,7 +99,7 @@ def generate(
 ) -> None:
     """Generate an answer with speculative decoding (lossless: same output as the target alone)."""
     from selfdraft.decode import generate as run
-    from selfdraft.drafters import load_drafter
+    from selfdraft.loader import load_drafter
     from selfdraft.target import TargetError
 
     _set_threads(threads)
@@ -181,7 +181,7 @@ def demo(
     import torch
 
     from selfdraft.decode import generate as run
-    from selfdraft.drafters import load_drafter
+    from selfdraft.loader import load_drafter
     from selfdraft.target import TargetError
 
     _set_threads(threads)

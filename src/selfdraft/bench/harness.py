@@ -238,7 +238,7 @@ class Runner:
 
 def _our_runner(target: "Target", spec: DrafterSpec, cfg: BenchConfig) -> Runner:
     from selfdraft.decode import generate
-    from selfdraft.drafters import load_drafter
+    from selfdraft.loader import load_drafter
 
     drafter = load_drafter(spec.source, target)
 

