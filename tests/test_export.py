@@ -188,7 +188,7 @@ def test_export_refuses_what_vllm_cannot_run_and_says_what_to_retrain(target, na
     assert not (tmp_path / "spec").exists()
     inline = str(e.value).split("--config '")[1].split("'")[0]
     assert json.loads(inline) == {"drafter": fixes}
-    from selfdraft.cli import _train_configs
+    from selfdraft.cli.train import train_configs as _train_configs
 
     dcfg, _ = _train_configs(inline, {"method": config["method"]}, {"data": "d"})  # what `train --config` does with it
     retrained = make_checkpoint(target, name, tmp_path / "retrained", {**config, **{k: getattr(dcfg, k) for k in fixes}})
@@ -196,7 +196,7 @@ def test_export_refuses_what_vllm_cannot_run_and_says_what_to_retrain(target, na
 
 
 def test_train_config_takes_a_path_or_inline_json(tmp_path):
-    from selfdraft.cli import _train_configs
+    from selfdraft.cli.train import train_configs as _train_configs
     from selfdraft.config import ConfigError
 
     body = {"drafter": {"qk_norm": True, "mask_token_id": 5}, "train": {"steps": 3}}

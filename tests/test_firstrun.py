@@ -13,7 +13,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from selfdraft.cli import app, demo_headline
+from selfdraft.cli import app
+from selfdraft.cli.generate import demo_headline
 from selfdraft.config import DEFAULT_THREADS
 from selfdraft.progress import LogProgress, progress_bar
 from selfdraft.training.calibrate import HeldOutRounds, report, sequential_temperature_scaling

@@ -262,3 +262,43 @@ def test_every_trained_method_names_its_strategy():
         assert isinstance(strategy, Strategy) and strategy.method == name, entry.strategy
         assert type(strategy).build is Strategy.build and type(strategy).drafter is Strategy.drafter, name
     assert set(STRATEGIES) == {n for n, m in TRAINED.items() if m.strategy}
+
+
+# ----------------------------------------------------------------------------- each default once
+# serve/app.py's create_app(gamma=7) is another change's file (issue 15 item 1); it should read
+# config.DEFAULT_GAMMA too.
+GAMMA_LITERALS_ELSEWHERE = {"serve/app.py"}
+
+
+def gamma_literals(src: Path, pkg: str) -> list[str]:
+    """Places that write γ's default as a number: a parameter or dataclass field named gamma with a
+    literal default, or a typer option `--gamma` with a literal default."""
+    out = []
+    for mod, path in module_names(src, pkg).items():
+        rel = path.relative_to(src / pkg).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            hit = False
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = node.args.args + node.args.kwonlyargs
+                defaults = [None] * (len(node.args.args) - len(node.args.defaults)) + node.args.defaults + node.args.kw_defaults
+                hit = any(a.arg == "gamma" and isinstance(d, ast.Constant) for a, d in zip(args, defaults))
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                hit = node.target.id == "gamma" and isinstance(node.value, ast.Constant)
+            elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "Option":
+                lits = [a.value for a in node.args if isinstance(a, ast.Constant)]
+                hit = "--gamma" in lits and isinstance(node.args[0], ast.Constant)
+            if hit:
+                out.append(f"{rel}:{node.lineno}")
+    return out
+
+
+def test_gamma_default_is_written_once(tmp_path):
+    """γ's default lives in config.DEFAULT_GAMMA; everything else reads it. Control: the walker finds
+    each kind of literal default in a toy package."""
+    toy = tmp_path / "toy"
+    toy.mkdir()
+    (toy / "a.py").write_text("def f(x, gamma=7):\n    pass\nclass C:\n    gamma: int = 7\n"
+                              "o = typer.Option(7, '--gamma')\nok = typer.Option(G, '--gamma')\n")
+    assert sorted(gamma_literals(tmp_path, "toy")) == ["a.py:1", "a.py:4", "a.py:5"]
+    found = [x for x in gamma_literals(SRC, PKG) if x.split(":")[0] not in GAMMA_LITERALS_ELSEWHERE]
+    assert not found, f"read config.DEFAULT_GAMMA instead of writing γ's default: {found}"

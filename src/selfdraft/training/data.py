@@ -31,6 +31,7 @@ from typing import Callable, Iterator
 import torch
 
 from selfdraft.config import ConfigError, SamplingParams
+from selfdraft.errors import SelfdraftError
 from selfdraft.sampling import probs_from_logits, sample
 from selfdraft.vocab import DraftVocab
 
@@ -43,7 +44,7 @@ SPLITS = ("train", "val")
 RECORD_KEYS = ("id", "split", "source", "messages", "input_ids", "loss_mask")
 
 
-class DataError(ValueError):
+class DataError(SelfdraftError):
     """Training data that cannot be used as given; the message says what to fix."""
 
 
