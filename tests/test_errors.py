@@ -166,7 +166,7 @@ def test_user_errors_share_one_base_with_an_exit_code():
     from selfdraft.bench.datasets import DatasetError
     from selfdraft.checkpoint import CheckpointError
     from selfdraft.errors import SelfdraftError
-    from selfdraft.training.data import DataError
+    from selfdraft.training.records import DataError
 
     for cls in (ConfigError, TargetError, DataError, CheckpointError, DatasetError):
         assert issubclass(cls, SelfdraftError) and issubclass(cls, ValueError) and cls.exit_code == 2, cls

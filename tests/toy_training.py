@@ -82,7 +82,7 @@ def toy_method():
 
 
 def write_dataset(data_dir: Path, n_train: int = 24, n_val: int = 4, vocab: int = 96, seed: int = 0) -> Path:
-    """A tiny dataset in the JSONL record contract of selfdraft.training.data.
+    """A tiny dataset in the JSONL record contract of selfdraft.training.records.
 
     Each sequence counts up by 3 modulo the vocabulary from a random start, so the next token is
     learnable from the current position's features; the first 4 tokens play the prompt (mask 0).

@@ -170,7 +170,7 @@ class DrafterConfig:
 class TrainConfig:
     """The generic training loop's knobs (shared by every drafter kind)."""
 
-    data: str = ""  # regenerated dataset directory (see selfdraft.training.data)
+    data: str = ""  # regenerated dataset directory (see selfdraft.training.records)
     features: str = "online"  # "online" (target runs during training) or a feature-cache directory
     steps: int = 1000  # optimizer steps (the schedule's length)
     token_budget: int = 0  # stop after this many training tokens (0 = no limit); fair comparisons fix it

@@ -1,6 +1,6 @@
 """A reduced draft vocabulary: the tokens a drafter drafts among (speculators convention).
 
-Built from training data (training/data.py `build_draft_vocab`), stored beside a dataset or in a
+Built from training data (training/draft_vocab.py `build_draft_vocab`), stored beside a dataset or in a
 checkpoint (checkpoint.DRAFT_VOCAB_FILE), read at inference and by the speculators export.
 """
 

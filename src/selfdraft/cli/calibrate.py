@@ -51,7 +51,7 @@ def calibrate_cmd(
     calibration.json and a reliability diagram per position (ECE and ROC-AUC before/after)."""
     from selfdraft.bench import load_prompt_set
     from selfdraft.training.calibrate import calibrate_checkpoint
-    from selfdraft.training.data import iter_records
+    from selfdraft.training.records import iter_records
 
     set_threads(threads)
     if (data is None) == (prompts is None):

@@ -26,7 +26,7 @@ SourcesArg = typer.Argument(..., help="prompt sources: sharegpt | FILE.jsonl | F
 
 
 def _select_prompts(tgt, sources, num_turns, val_fraction, max_prompt_tokens, limit):
-    from selfdraft.training.data import collect_prompts, select_prompts
+    from selfdraft.training.sources import collect_prompts, select_prompts
 
     prompts, stats = collect_prompts(list(sources), num_turns=num_turns, val_fraction=val_fraction)
     chosen = select_prompts(prompts, lambda p: len(tgt.encode_prompt(p.turns[0])), max_prompt_tokens, limit, stats,
@@ -72,7 +72,7 @@ def data_regenerate(
     import shlex
 
     from selfdraft.target import Target
-    from selfdraft.training.data import RegenConfig, recommended_sampling, regenerate
+    from selfdraft.training.regenerate import RegenConfig, recommended_sampling, regenerate
 
     set_threads(threads)
     tgt = Target.load(target, dtype=dtype)
@@ -155,7 +155,7 @@ def data_vocab(
 ) -> None:
     """Build the draft vocabulary (most frequent assistant tokens) -> DIR/draft_vocab_SIZE.safetensors."""
     from selfdraft.target import Target
-    from selfdraft.training.data import build_draft_vocab
+    from selfdraft.training.draft_vocab import build_draft_vocab
 
     manifest = data / "manifest.json"
     vocab_size = (json.loads(manifest.read_text())["target"]["vocab_size"] if manifest.exists() and target is None

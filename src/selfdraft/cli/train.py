@@ -119,7 +119,7 @@ def train_cmd(
 ) -> None:
     """Train a self-drafter on the target's own answers; the checkpoint loads with `--drafter OUT`."""
     from selfdraft.target import Target
-    from selfdraft.training.data import iter_records
+    from selfdraft.training.records import iter_records
     from selfdraft.training.trainer import STATE_FILE, strategy_for
     from selfdraft.training.trainer import train as run_training
 

@@ -106,7 +106,7 @@ def load_sequences(data_dir: str | Path, split: str, max_seq_len: int, features:
     memory-mapped cache instead of the dataset, which saves the target forward in every training run.
     Records with nothing left to supervise after truncation are dropped.
     """
-    from selfdraft.training.data import load_records
+    from selfdraft.training.records import load_records
     from selfdraft.training.features import FeatureCache
 
     if features == "online":

@@ -11,7 +11,7 @@ from selfdraft.config import DrafterConfig
 from selfdraft.drafters.blocks import block_attention_mask
 from selfdraft.drafters.dflash import DFlashModel
 from selfdraft.target import Target, lm_logits
-from selfdraft.training.data import draft_vocab_of
+from selfdraft.training.draft_vocab import draft_vocab_of
 from selfdraft.training.masks import sample_anchors
 from selfdraft.training.objectives import (
     VocabLoss,

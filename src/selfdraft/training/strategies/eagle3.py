@@ -8,7 +8,7 @@ import torch
 from selfdraft.config import DrafterConfig
 from selfdraft.drafters.eagle3 import Eagle3Model
 from selfdraft.target import Target
-from selfdraft.training.data import draft_vocab_of
+from selfdraft.training.draft_vocab import draft_vocab_of
 from selfdraft.training.masks import ttt_attention_mask
 from selfdraft.training.strategy import Batch, LossOutput, Strategy
 
