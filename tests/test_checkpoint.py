@@ -11,7 +11,7 @@ from torch import nn
 import selfdraft.checkpoint as ckpt
 from selfdraft.checkpoint import CheckpointError, load_checkpoint, load_module, provenance, save_checkpoint
 from selfdraft.config import ConfigError, DrafterConfig, SamplingParams, from_dict
-from selfdraft.drafters import load_drafter
+from selfdraft.loader import load_drafter
 from selfdraft.target import Target
 from selfdraft.training.strategy import STRATEGIES
 from tests.conftest import tiny_llama

@@ -11,25 +11,11 @@ import torch
 
 from selfdraft.config import SamplingParams
 from selfdraft.target import Target, cache_root
-from selfdraft.training.data import (
-    DataError,
-    DraftVocab,
-    Prompt,
-    RegenConfig,
-    ShardWriter,
-    SourceStats,
-    build_draft_vocab,
-    check_not_eval,
-    collect_prompts,
-    iter_records,
-    load_records,
-    prompt_id,
-    regenerate,
-    sample_batch,
-    select_prompts,
-    split_of,
-    tokenize_conversation,
-)
+from selfdraft.training.draft_vocab import build_draft_vocab
+from selfdraft.training.records import DataError, ShardWriter, iter_records, load_records, tokenize_conversation
+from selfdraft.training.regenerate import RegenConfig, regenerate, sample_batch
+from selfdraft.training.sources import Prompt, SourceStats, check_not_eval, collect_prompts, prompt_id, select_prompts, split_of
+from selfdraft.vocab import DraftVocab
 from selfdraft.training.features import (
     FeatureCache,
     FeatureSpec,
@@ -131,9 +117,9 @@ def test_split_is_a_stable_function_of_the_prompt():
 
 @pytest.mark.parametrize("where", ["component", "component-symlink", "bundled", "copy"])
 def test_evaluation_prompts_refused(tmp_path, where):
-    import selfdraft.training.data as data
+    import selfdraft.training.sources as sources
 
-    bundled = Path(data.__file__).resolve().parents[1] / "bench" / "prompts"
+    bundled = Path(sources.__file__).resolve().parents[1] / "bench" / "prompts"
     path = {
         "component": tmp_path / "data" / "eval" / "mine.jsonl",
         "component-symlink": tmp_path / "data" / "eval" / "link.jsonl",  # resolves outside data/eval
@@ -449,7 +435,7 @@ def test_a_killed_regeneration_run_stays_in_manifest_runs(tmp_path, chat_target,
     """A run is recorded at its start and after each batch: a kill (here: an exception after two
     batches, so nothing of regenerate's own ending runs) leaves it as "running" with what it wrote;
     the next run marks it "killed" and adds itself."""
-    import selfdraft.training.data as data_mod
+    import selfdraft.training.regenerate as data_mod
 
     prompts = prompt_file(tmp_path, 6)
     cfg = RegenConfig(max_new_tokens=3, batch_size=2, shard_size=3, num_turns=1)

@@ -12,9 +12,10 @@ from tests.conftest import tiny_llama
 from selfdraft.config import DrafterConfig, GenerationConfig, SamplingParams
 from selfdraft.decode import generate
 from selfdraft.drafters import REGISTRY
-from selfdraft.drafters.dflash import lm_logits, teacher_forced_blocks
-from selfdraft.target import Target, TargetStep
-from selfdraft.training.masks import block_attention_mask, block_positions, sample_anchors
+from selfdraft.drafters.blocks import block_attention_mask, block_positions
+from selfdraft.target import Target, TargetStep, lm_logits
+from selfdraft.training.masks import sample_anchors
+from selfdraft.training.strategies.dflash import teacher_forced_blocks
 from selfdraft.training.objectives import confidence_labels, l1_distance, position_weights
 from selfdraft.training.strategy import STRATEGIES, Batch
 
@@ -325,7 +326,7 @@ def test_draft_vocabulary_restriction_is_exact_and_lossless(target, method):
 
 def test_checkpoint_draft_vocabulary_file_is_loaded(target, tmp_path):
     from selfdraft.checkpoint import DRAFT_VOCAB_FILE, CheckpointError, load_checkpoint, save_checkpoint
-    from selfdraft.training.data import DraftVocab
+    from selfdraft.vocab import DraftVocab
 
     model, cfg = make("dspark", target, gamma=4, markov_rank=8)
     save_checkpoint(tmp_path / "d", model, cfg, target, provenance={})

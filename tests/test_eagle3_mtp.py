@@ -10,11 +10,12 @@ from tests.conftest import tiny_llama
 from selfdraft.config import DrafterConfig, GenerationConfig, SamplingParams
 from selfdraft.decode import generate
 from selfdraft.drafters import REGISTRY
-from selfdraft.drafters.eagle3 import eagle3_feature_layers, ttt_states
-from selfdraft.drafters.mtp import mtp_states
+from selfdraft.drafters.eagle3 import eagle3_feature_layers
 from selfdraft.sampling import probs_from_logits
 from selfdraft.target import Target, TargetStep
 from selfdraft.training.masks import ttt_attention_mask
+from selfdraft.training.strategies.eagle3 import ttt_states
+from selfdraft.training.strategies.mtp import mtp_states
 from selfdraft.training.strategy import STRATEGIES, Batch
 
 V, H, LAYERS = 96, 48, 5
@@ -241,7 +242,7 @@ def test_cli_trains_and_drafts_losslessly(method, extra, tmp_path):
 
     from selfdraft.checkpoint import CheckpointError
     from selfdraft.cli import app
-    from selfdraft.drafters import load_drafter
+    from selfdraft.loader import load_drafter
     from tests.toy_training import write_dataset
 
     data, out, target_dir = write_dataset(tmp_path / "data"), tmp_path / method, tmp_path / "tiny-target"

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from selfdraft.cli import app
 from selfdraft.config import GenerationConfig, SamplingParams
 from selfdraft.decode import generate
-from selfdraft.drafters import load_drafter
+from selfdraft.loader import load_drafter
 
 pytestmark = pytest.mark.slow
 
@@ -66,7 +66,7 @@ def test_cli_generate_json(embedded_fp32):
 
 def test_shipped_dspark_drafter_is_lossless(embedded_fp32):
     """The committed checkpoint loads onto the embedded target and its greedy output is the target's."""
-    from selfdraft.cli import SHIPPED_DSPARK
+    from selfdraft.cli.generate import SHIPPED_DSPARK
 
     drafter = load_drafter(str(SHIPPED_DSPARK), embedded_fp32)
     ids = embedded_fp32.encode_prompt(PROMPTS[1])

@@ -12,7 +12,8 @@ from transformers import ViTConfig
 from selfdraft.cli import app
 from selfdraft.config import ConfigError, DrafterConfig, GenerationConfig, SamplingParams, from_dict
 from selfdraft.decode import generate
-from selfdraft.drafters import REGISTRY, load_drafter
+from selfdraft.drafters import REGISTRY
+from selfdraft.loader import load_drafter
 from selfdraft.target import Target, TargetError
 from tests.conftest import tiny_llama
 
@@ -158,3 +159,62 @@ def test_cli_temperature_too_small_for_float32_decodes_greedily_and_nan_exits_2(
     for bad in ("nan", "inf"):
         res = CliRunner().invoke(app, [*base, "--temperature", bad])
         assert res.exit_code == 2 and "temperature" in res.output and "Traceback" not in res.output
+
+
+# ----------------------------------------------------------------------------- one error base, one exit-code map
+def test_user_errors_share_one_base_with_an_exit_code():
+    from selfdraft.bench.datasets import DatasetError
+    from selfdraft.checkpoint import CheckpointError
+    from selfdraft.errors import SelfdraftError
+    from selfdraft.training.records import DataError
+
+    for cls in (ConfigError, TargetError, DataError, CheckpointError, DatasetError):
+        assert issubclass(cls, SelfdraftError) and issubclass(cls, ValueError) and cls.exit_code == 2, cls
+
+
+def test_cli_maps_errors_to_exit_codes_in_one_place():
+    """common.command: a SelfdraftError exits with its own code and one line, an unreadable file with 2,
+    anything else (a bug) keeps its traceback. Control: the same function unwrapped raises."""
+    import typer
+
+    from selfdraft.cli.common import command
+    from selfdraft.errors import SelfdraftError
+
+    class Quota(SelfdraftError):
+        exit_code = 3
+
+    raised = {"quota": Quota("over quota: ask for more"), "io": FileNotFoundError("no such file: x"),
+              "bug": KeyError("bug"), "data": TargetError("bad target")}
+    toy = typer.Typer()
+
+    @command(toy, "run")
+    def run(kind: str) -> None:
+        raise raised[kind]
+
+    command(toy, "noop")(lambda: None)  # two commands, so `run` stays a subcommand
+    codes = {k: CliRunner().invoke(toy, ["run", k]) for k in raised}
+    assert codes["quota"].exit_code == 3 and codes["quota"].output.strip() == "error: over quota: ask for more"
+    assert codes["io"].exit_code == 2 and "no such file: x" in codes["io"].output
+    assert codes["data"].exit_code == 2 and "bad target" in codes["data"].output
+    assert codes["bug"].exit_code == 1 and isinstance(codes["bug"].exception, KeyError)
+    with pytest.raises(Quota):
+        run("quota")  # the decorator registers a wrapper; the function itself is unchanged
+
+
+def test_no_command_catches_errors_itself():
+    """The exit-code mapping lives in cli/common.py only: no command module has its own except tuple
+    of selfdraft errors."""
+    import ast
+    from pathlib import Path
+
+    import selfdraft.cli
+
+    names = {"ConfigError", "TargetError", "DataError", "CheckpointError", "DatasetError", "SelfdraftError"}
+    bad = []
+    for f in sorted(Path(selfdraft.cli.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ExceptHandler) and node.type is not None and f.name != "common.py":
+                caught = {n.id for n in ast.walk(node.type) if isinstance(n, ast.Name)}
+                if caught & names:
+                    bad.append(f"{f.name}:{node.lineno}")
+    assert not bad, bad

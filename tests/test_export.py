@@ -18,11 +18,11 @@ from safetensors.torch import load_file, save_file
 from selfdraft.checkpoint import DRAFT_VOCAB_FILE, CheckpointError, atomic_dir, write_checkpoint_files
 from selfdraft.config import DrafterConfig, GenerationConfig, SamplingParams
 from selfdraft.decode import generate
-from selfdraft.drafters import load_drafter
+from selfdraft.loader import load_drafter
 from selfdraft.export import METHODS, export_speculators, is_speculators_dir
 from selfdraft.target import Target, TargetStep
-from selfdraft.training.data import DraftVocab
 from selfdraft.training.strategy import STRATEGIES
+from selfdraft.vocab import DraftVocab
 from tests.conftest import tiny_llama
 
 V = 96  # tiny_llama's vocabulary
@@ -164,7 +164,7 @@ def test_mask_token_id_uses_the_targets_frozen_embedding_row(target):
     learned.load_state_dict({**row_model.state_dict(), "mask_embedding": target.embed(torch.tensor(7)).detach()})
     T, pos = 10, torch.tensor([[4, 8]])
     feats = torch.randn(1, T, len(row_model.fc.weight[0]) // target.hidden_size, target.hidden_size)
-    from selfdraft.training.masks import block_attention_mask
+    from selfdraft.drafters.blocks import block_attention_mask
 
     def h(m):
         ctx = m.context_kv(m.context(feats), torch.arange(T)[None])
@@ -194,7 +194,7 @@ def test_export_refuses_what_vllm_cannot_run_and_says_what_to_retrain(target, na
     assert not (tmp_path / "spec").exists()
     inline = str(e.value).split("--config '")[1].split("'")[0]
     assert json.loads(inline) == {"drafter": fixes}
-    from selfdraft.cli import _train_configs
+    from selfdraft.cli.train import train_configs as _train_configs
 
     dcfg, _ = _train_configs(inline, {"method": config["method"]}, {"data": "d"})  # what `train --config` does with it
     retrained = make_checkpoint(target, name, tmp_path / "retrained", {**config, **{k: getattr(dcfg, k) for k in fixes}})
@@ -202,7 +202,7 @@ def test_export_refuses_what_vllm_cannot_run_and_says_what_to_retrain(target, na
 
 
 def test_train_config_takes_a_path_or_inline_json(tmp_path):
-    from selfdraft.cli import _train_configs
+    from selfdraft.cli.train import train_configs as _train_configs
     from selfdraft.config import ConfigError
 
     body = {"drafter": {"qk_norm": True, "mask_token_id": 5}, "train": {"steps": 3}}

@@ -13,11 +13,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from selfdraft.cli import app, demo_headline
+from selfdraft.cli import app
+from selfdraft.cli.generate import demo_headline
 from selfdraft.config import DEFAULT_THREADS
 from selfdraft.progress import LogProgress, progress_bar
 from selfdraft.training.calibrate import HeldOutRounds, report, sequential_temperature_scaling
-from selfdraft.training.data import SourceStats, collect_prompts, select_prompts
+from selfdraft.training.sources import SourceStats, collect_prompts, select_prompts
 from tests.conftest import tiny_llama
 from tests.toy_training import TOY, single_thread, toy_method, write_dataset  # noqa: F401  (fixtures)
 

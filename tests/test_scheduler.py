@@ -317,7 +317,7 @@ def test_generate_with_scheduler_verifies_what_pays_and_stays_greedy_exact():
 
 def test_scheduler_for_auto_measures_once_and_picks_by_drafter(tmp_path, monkeypatch):
     from selfdraft.config import ConfigError
-    from selfdraft.drafters import load_drafter
+    from selfdraft.loader import load_drafter
     from selfdraft.profile import profile_path, scheduler_for
 
     monkeypatch.setenv("SELFDRAFT_CACHE", str(tmp_path / "cache"))

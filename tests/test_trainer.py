@@ -164,7 +164,7 @@ def test_cli_trains_dspark_and_its_drafts_are_lossless(target_dir, data, tmp_pat
     """End to end: `selfdraft train --method dspark` -> load_drafter(dir) -> greedy output == plain greedy."""
     from selfdraft.config import GenerationConfig
     from selfdraft.decode import generate
-    from selfdraft.drafters import load_drafter
+    from selfdraft.loader import load_drafter
 
     out = tmp_path / "dspark"
     res = run_cli("--method", "dspark", "--target", str(target_dir), "--data", str(data), "--out", str(out),
@@ -193,3 +193,34 @@ def test_feature_cache_matches_online_training(toy_method, tiny_target, data, tm
         assert abs(a.loss - b.loss) < 0.02 * a.loss
     with pytest.raises(ConfigError, match="holds layers"):
         train(tiny_target, replace(dcfg, feature_layers=(0, 1)), replace(tcfg, features=str(tmp_path / "feats")), tmp_path / "x")
+
+
+def test_train_options_are_the_config_fields(monkeypatch, tmp_path):
+    """`train` has one option per DrafterConfig / TrainConfig field (generated, not copied), and every
+    option given reaches its field; options not given stay None (the config's default applies)."""
+    import dataclasses
+
+    from typer.main import get_command
+
+    import selfdraft.cli.train as train_cli
+    from selfdraft.cli import app
+    from selfdraft.config import ConfigError, DrafterConfig, TrainConfig
+
+    params = {p.name for p in get_command(app).commands["train"].params}
+    fields = {f.name for cls in (DrafterConfig, TrainConfig) for f in dataclasses.fields(cls)}
+    assert fields <= params and params - fields == {"out", "target", "config", "resume", "final_only", "threads", "dtype"}
+    seen = {}
+
+    def capture(config, drafter_opts, train_opts):
+        seen.update(drafter=drafter_opts, train=train_opts)
+        raise ConfigError("captured")
+
+    monkeypatch.setattr(train_cli, "train_configs", capture)
+    res = run_cli("--out", str(tmp_path / "o"), "-m", "eagle3", "--layers", "2", "--tree-depth", "3", "--mtp-stacked",
+                  "--feature-layers", "1,2", "-b", "5", "--fsdp", "--data", "d", "--lr", "0.5")
+    assert res.exit_code == 2 and "captured" in res.output, res.output
+    assert set(seen["drafter"]) == {f.name for f in dataclasses.fields(DrafterConfig)}
+    assert set(seen["train"]) == {f.name for f in dataclasses.fields(TrainConfig)}
+    given = {k: v for part in seen.values() for k, v in part.items() if v is not None}
+    assert given == {"method": "eagle3", "num_layers": 2, "tree_depth": 3, "mtp_recursive": False,
+                     "feature_layers": (1, 2), "batch_size": 5, "fsdp": True, "data": "d", "lr": 0.5}

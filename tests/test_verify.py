@@ -146,3 +146,55 @@ def test_probabilities_are_a_distribution_for_every_accepted_parameter(temperatu
             if temperature <= 1e-30 or top_p <= 1e-8 or top_k == 1:
                 assert (p[:3].argmax(-1) == logits[:3].argmax(-1)).all() and (p[:3].max(-1).values == 1).all()
                 assert p[3, 2:].sum() == 0  # the tie keeps all the mass
+
+
+# ----------------------------------------------------------------------------- the fast sampler (no full sort)
+FAST_CASES = [
+    SamplingParams(temperature=0.7, top_p=0.9),
+    SamplingParams(temperature=1.0, top_k=50),
+    SamplingParams(temperature=0.8, top_k=2000, top_p=0.95),
+    SamplingParams(temperature=1.3, top_k=5000, top_p=0.5),  # top_k >= V: off, as in probs_from_logits
+]
+
+
+@pytest.mark.parametrize("params", FAST_CASES, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
+def test_candidate_probs_equal_the_full_distribution(params):
+    """sampling.candidate_probs, scattered back to [B, V], is probs_from_logits (the slow reference)."""
+    from selfdraft.sampling import candidate_probs
+
+    logits = 4 * torch.randn(3, 3000, generator=torch.Generator().manual_seed(0))  # peaked: nucleus < 1024 tokens
+    idx, probs = candidate_probs(logits, params)
+    fast = torch.zeros(3, 3000).scatter(-1, idx, probs)
+    torch.testing.assert_close(fast, probs_from_logits(logits, params), atol=1e-6, rtol=1e-5)
+
+
+def test_candidate_probs_defer_to_the_full_computation():
+    """A nucleus wider than the candidates, no filter, greedy or a small vocabulary: no fast path."""
+    from selfdraft.sampling import candidate_probs
+
+    flat = torch.zeros(2, 3000)
+    assert candidate_probs(flat, SamplingParams(temperature=1.0, top_p=0.99)) is None
+    assert candidate_probs(flat, SamplingParams(temperature=1.0)) is None
+    assert candidate_probs(flat, SamplingParams()) is None
+    assert candidate_probs(torch.zeros(2, 500), SamplingParams(temperature=1.0, top_p=0.5)) is None
+
+
+def test_sample_logits_draws_from_probs_from_logits():
+    """Chi-square: sample_logits' draws (fast path) follow probs_from_logits; no token outside the
+    nucleus is ever drawn. Control: the same counts fail against a shifted law."""
+    from selfdraft.sampling import candidate_probs, sample_logits
+
+    params = SamplingParams(temperature=1.0, top_p=0.8)
+    row = torch.full((2000,), -20.0)
+    row[:6] = torch.tensor([3.0, 2.5, 2.0, 1.5, 1.0, 0.5])
+    logits = row.expand(4000, -1)
+    assert candidate_probs(logits, params) is not None  # the fast path is what is tested
+    draws = sample_logits(logits, params, torch.Generator().manual_seed(1))
+    p = probs_from_logits(row, params)
+    support = p.nonzero().flatten()
+    assert bool(torch.isin(draws, support).all())
+    counts = torch.bincount(draws, minlength=2000)[support].double()
+    expected = p[support].double() * len(draws)
+    assert chisquare(counts.numpy(), expected.numpy()).pvalue > 1e-3
+    shifted = torch.roll(expected, 1)
+    assert chisquare(counts.numpy(), shifted.numpy()).pvalue < 1e-6

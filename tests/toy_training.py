@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from selfdraft.drafters.base import Drafter, Proposal
+from selfdraft.drafters.base import TRAINED, Drafter, Proposal, TrainedMethod, default_feature_layers, register_trained
 from selfdraft.training.strategy import STRATEGIES, Batch, LossOutput, Strategy, register_strategy
 
 TOY = "toy-test"
@@ -55,11 +55,12 @@ class ToyDrafter(Drafter):
         return Proposal(tokens=self.target.lm_head(h.to(self.target.model.dtype)).argmax(-1).view(1))
 
 
+def build_toy(cfg, target) -> ToyHead:
+    return ToyHead(len(cfg.feature_layers), target.hidden_size)
+
+
 class ToyStrategy(Strategy):
     method = TOY
-
-    def build(self, cfg, target) -> nn.Module:
-        return ToyHead(len(cfg.feature_layers), target.hidden_size)
 
     def loss(self, model, batch: Batch, target, cfg, generator) -> LossOutput:
         keep = batch.loss_mask[:, 1:] & (torch.rand(batch.loss_mask[:, 1:].shape, generator=generator) < 0.8)
@@ -69,20 +70,19 @@ class ToyStrategy(Strategy):
         acc = (logits.argmax(-1) == labels).float().mean()
         return LossOutput(loss=loss, tokens=int(keep.sum()), metrics={"ce": float(loss.detach()), "acc@1": float(acc)})
 
-    def drafter(self, model, cfg, target) -> Drafter:
-        return ToyDrafter(model, cfg, target)
-
 
 @pytest.fixture
 def toy_method():
-    """Registers the toy strategy for one test and removes it afterwards."""
+    """Registers the toy method (inference entry and training strategy) for one test and removes it afterwards."""
+    register_trained(TrainedMethod(TOY, build_toy, ToyDrafter, default_feature_layers))
     strategy = register_strategy(ToyStrategy())
     yield strategy
     del STRATEGIES[TOY]
+    del TRAINED[TOY]
 
 
 def write_dataset(data_dir: Path, n_train: int = 24, n_val: int = 4, vocab: int = 96, seed: int = 0) -> Path:
-    """A tiny dataset in the JSONL record contract of selfdraft.training.data.
+    """A tiny dataset in the JSONL record contract of selfdraft.training.records.
 
     Each sequence counts up by 3 modulo the vocabulary from a random start, so the next token is
     learnable from the current position's features; the first 4 tokens play the prompt (mask 0).

@@ -256,16 +256,15 @@ def load_module(dir: str | Path, target: "Target", dtype: torch.dtype | None = N
 
     The weights are cast to `dtype` (default: the target's dtype); the module is in eval mode.
     """
-    from selfdraft.training.strategy import STRATEGIES
-    import selfdraft.drafters  # noqa: F401  (fills STRATEGIES)
+    from selfdraft.drafters import TRAINED
 
     dir = Path(dir)
     meta = read_config(dir)
     check_target(meta, target, dir)
-    if meta["method"] not in STRATEGIES:
+    if meta["method"] not in TRAINED:
         raise CheckpointError(
             f"{dir / CONFIG_FILE}: a {meta['method']!r} drafter, which this selfdraft does not know; "
-            f"known methods: {sorted(STRATEGIES)}"
+            f"known methods: {sorted(TRAINED)}"
         )
     try:
         cfg = from_dict(DrafterConfig, meta["drafter"])
@@ -281,8 +280,7 @@ def load_module(dir: str | Path, target: "Target", dtype: torch.dtype | None = N
         state = load_file(str(weights))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{weights} is corrupt or truncated ({e}): retrain, or restore it from a copy") from e
-    strategy = STRATEGIES[cfg.method]
-    model = strategy.build(cfg, target)
+    model = TRAINED[cfg.method].build(cfg, target)
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as e:
@@ -292,23 +290,15 @@ def load_module(dir: str | Path, target: "Target", dtype: torch.dtype | None = N
 
 
 def load_checkpoint(dir: str | Path, target: "Target") -> "Drafter":
-    """A trained drafter directory -> an inference `Drafter` for `target` (which must be its target).
-
-    A speculators-format directory (config.json names a `speculators_model_type`, e.g. a drafter
-    exported for vLLM or released for this target elsewhere) is mapped onto our modules (export.py).
-    """
-    from selfdraft.export import is_speculators_dir, load_speculators
-    from selfdraft.training.strategy import STRATEGIES
-
-    if is_speculators_dir(dir):
-        return load_speculators(dir, target)
+    """A trained drafter directory (this format) -> an inference `Drafter` for `target` (which must be
+    its target). `selfdraft.loader.load_drafter` also takes registry names and speculators directories."""
+    from selfdraft.drafters import TRAINED
+    from selfdraft.vocab import DraftVocab
 
     model, cfg = load_module(dir, target)
-    drafter = STRATEGIES[cfg.method].drafter(model, cfg, target)
+    drafter = TRAINED[cfg.method].drafter(model, cfg, target)
     vocab = Path(dir) / DRAFT_VOCAB_FILE
     if vocab.exists():  # optional: draft among the most frequent answer tokens only (DFlash / DSpark)
-        from selfdraft.training.data import DraftVocab
-
         try:
             drafter.restrict_vocab(DraftVocab.load(vocab).target_ids)
         except (SafetensorError, OSError, KeyError, ConfigError) as e:

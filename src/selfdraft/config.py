@@ -7,10 +7,12 @@ import math
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from selfdraft.errors import SelfdraftError
+
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
+class ConfigError(SelfdraftError):
     """A configuration value the user must fix (message says how)."""
 
 
@@ -24,6 +26,9 @@ def from_dict(cls: type[T], data: dict[str, Any]) -> T:
 
 
 EMBEDDED_TARGET = "smollm2-135m-instruct"
+# γ: drafts per round at inference (GenerationConfig) and the block size a drafter is trained for
+# (DrafterConfig): the one γ default; the CLI, the benchmark and the loaders read it from here.
+DEFAULT_GAMMA = 7
 # torch CPU threads of every command (--threads). 1, measured: plain decoding on a shared 2-core CPU
 # (bf16, 1 and 2 threads interleaved, load average 11-12) ran at 11.6 and 1.3 tok/s with 1 thread and at
 # 0.1 tok/s with 2, whose threads wait on each other when a core is taken. An idle machine may gain
@@ -89,7 +94,7 @@ class GenerationConfig:
     """Limits of one generation; `gamma` is the number of draft tokens proposed per round."""
 
     max_new_tokens: int = 256
-    gamma: int = 7
+    gamma: int = DEFAULT_GAMMA
     stop_on_eos: bool = True
 
     def __post_init__(self) -> None:
@@ -107,7 +112,7 @@ class DrafterConfig:
     """
 
     method: str = "dspark"  # registry name: dflash | dspark | eagle3 | mtp
-    gamma: int = 7  # block size γ: draft logits per round
+    gamma: int = DEFAULT_GAMMA  # block size γ: draft logits per round
     num_layers: int = 1  # draft decoder layers (as wide as the target)
     feature_layers: tuple[int, ...] = ()  # 0-based target layers; () = target.default_feature_layers()
     qk_norm: bool = False  # per-head RMSNorm on q/k (Qwen3 style): the layer vLLM's DFlash/DSpark/MTP loaders build
@@ -165,7 +170,7 @@ class DrafterConfig:
 class TrainConfig:
     """The generic training loop's knobs (shared by every drafter kind)."""
 
-    data: str = ""  # regenerated dataset directory (see selfdraft.training.data)
+    data: str = ""  # regenerated dataset directory (see selfdraft.training.records)
     features: str = "online"  # "online" (target runs during training) or a feature-cache directory
     steps: int = 1000  # optimizer steps (the schedule's length)
     token_budget: int = 0  # stop after this many training tokens (0 = no limit); fair comparisons fix it

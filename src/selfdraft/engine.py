@@ -299,7 +299,7 @@ class Throughput:
 def drafter_factory(spec: str, target: Target) -> Callable[[], Drafter]:
     """Load a drafter (registry name or checkpoint dir) once; each call returns a fresh instance
     sharing its weights (drafter state is reassigned in begin(), so a shallow copy suffices)."""
-    from selfdraft.drafters import load_drafter
+    from selfdraft.loader import load_drafter
 
     proto = load_drafter(spec, target)
     return lambda: copy.copy(proto)

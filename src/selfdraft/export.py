@@ -68,7 +68,9 @@ from selfdraft.checkpoint import (
     read_config,
 )
 from selfdraft.config import EMBEDDED_TARGET, ConfigError, DrafterConfig
+from selfdraft.drafters import TRAINED
 from selfdraft.drafters.layers import LayerShape
+from selfdraft.vocab import DraftVocab
 
 if TYPE_CHECKING:
     from selfdraft.drafters.base import Drafter
@@ -380,8 +382,6 @@ def draft_vocab_ids(src_dir: Path, target: "Target") -> torch.Tensor | None:
     path = src_dir / DRAFT_VOCAB_FILE
     if not path.exists():
         return None
-    from selfdraft.training.data import DraftVocab
-
     try:
         ids = DraftVocab.load(path).target_ids.long().unique()  # sorted, as DFlashDrafter.restrict_vocab uses them
     except (SafetensorError, OSError, KeyError) as e:
@@ -638,9 +638,6 @@ def _draft_vocab(spec: dict, tensors: dict[str, torch.Tensor], target: "Target",
 
 def load_speculators_module(dir: str | Path, target: "Target") -> ImportedDrafter:
     """A speculators checkpoint -> our module with its weights, its DrafterConfig and draft vocabulary."""
-    from selfdraft.training.strategy import STRATEGIES
-    import selfdraft.drafters  # noqa: F401  (fills STRATEGIES)
-
     dir = Path(dir)
     try:
         spec = json.loads((dir / CONFIG_FILE).read_text())
@@ -668,8 +665,7 @@ def load_speculators_module(dir: str | Path, target: "Target") -> ImportedDrafte
         cfg = DrafterConfig(**{**(base or {}), **overrides}) if base else DrafterConfig(**overrides)
     except (ConfigError, TypeError) as e:
         raise CheckpointError(f"{dir / CONFIG_FILE}: cannot map onto a selfdraft {method} drafter: {e}") from e
-    strategy = STRATEGIES[method]
-    model = strategy.build(cfg, target).float()
+    model = TRAINED[method].build(cfg, target).float()
     own = model.state_dict()
     names = name_map(method, model)
     state, missing = {}, []
@@ -706,10 +702,8 @@ def load_speculators_module(dir: str | Path, target: "Target") -> ImportedDrafte
 
 def load_speculators(dir: str | Path, target: "Target") -> "Drafter":
     """A speculators-format drafter directory -> an inference `Drafter` for `target` (its verifier)."""
-    from selfdraft.training.strategy import STRATEGIES
-
     imported = load_speculators_module(dir, target)
-    drafter = STRATEGIES[imported.cfg.method].drafter(imported.model, imported.cfg, target)
+    drafter = TRAINED[imported.cfg.method].drafter(imported.model, imported.cfg, target)
     if imported.vocab is not None:
         drafter.restrict_vocab(imported.vocab)
     return drafter

@@ -127,7 +127,7 @@ def cost_table_for(target: Target, max_tokens: int, log=None) -> CostTable:
     return prof.cost_table()
 
 
-def scheduler_for(kind: str, target: Target, drafter, gamma: int, threshold: float = 0.5, log=None,
+def scheduler_for(kind: str, target: Target, drafter, gamma: int, threshold: float | None = None, log=None,
                   batch_tokens: int | None = None) -> Scheduler | None:
     """The Scheduler a command runs (None: verify every draft). batch_tokens: None for one request
     (generate, bench, demo: Algorithm 1 online, unpadded); the largest forward for the batched
@@ -146,7 +146,8 @@ def scheduler_for(kind: str, target: Target, drafter, gamma: int, threshold: flo
     if kind == "fixed":
         return None
     cost = cost_table_for(target, batch_tokens or gamma + 1, log) if kind == "hardware" else None
-    return Scheduler(kind, threshold=threshold, cost=cost, padded=batch_tokens is not None)
+    kw = {} if threshold is None else {"threshold": threshold}  # None: the Scheduler's own default
+    return Scheduler(kind, cost=cost, padded=batch_tokens is not None, **kw)
 
 
 def plot_profile(profile: Profile, png: Path) -> None:

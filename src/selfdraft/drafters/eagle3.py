@@ -9,7 +9,7 @@ convention: target_id = draft_id + d2t[draft_id], t2d marks the draft tokens in 
 Drafting: the head's (pre-norm) output replaces g for the next step while the input token is the
 previous draft; step j sits at position t + j and attends to the committed context plus its own
 earlier steps. Training-time test (TTT) unrolls γ such steps on ground-truth tokens with the mask
-of masks.ttt_attention_mask, so training sees exactly what inference does; loss Σ_j 0.8^j L_j,
+of training.masks.ttt_attention_mask, so training sees exactly what inference does; loss Σ_j 0.8^j L_j,
 L_j = soft cross-entropy against the target distribution restricted to the draft vocabulary.
 Inference: a chain of γ drafts, or an EAGLE-2 dynamic tree (`build_tree`).
 """
@@ -22,12 +22,10 @@ import torch
 from torch import nn
 
 from selfdraft.config import ConfigError, DrafterConfig, SamplingParams
-from selfdraft.drafters.base import Proposal, TrainedDrafter
+from selfdraft.drafters.base import Proposal, TrainedDrafter, TrainedMethod, register_trained
 from selfdraft.drafters.layers import KV, MLP, InjectedAttention, LayerShape, RMSNorm, Rotary
 from selfdraft.sampling import probs_from_logits, process_logits, sample
 from selfdraft.target import Target, TargetStep
-from selfdraft.training.masks import ttt_attention_mask
-from selfdraft.training.strategy import Batch, LossOutput, Strategy, register_strategy
 
 
 def eagle3_feature_layers(num_layers: int) -> tuple[int, ...]:
@@ -93,7 +91,7 @@ class Eagle3Model(nn.Module):
 
     @torch.no_grad()
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor, target: Target) -> None:
-        """Install a draft vocabulary (training.data.DraftVocab) and start the head from the target's
+        """Install a draft vocabulary (vocab.DraftVocab) and start the head from the target's
         LM-head rows of those tokens (copied, never shared)."""
         if d2t.numel() != self.d2t.numel() or t2d.numel() != self.t2d.numel():
             raise ConfigError(f"draft vocab of size {d2t.numel()}/{t2d.numel()} does not fit {self.d2t.numel()}/{self.t2d.numel()}")
@@ -117,91 +115,6 @@ class Eagle3Model(nn.Module):
     def empty_kv(self, batch: int, device) -> KV:
         z = torch.zeros(batch, self.shape.kv_heads, 0, self.shape.head_dim, device=device, dtype=self.dtype)
         return KV(z, z)
-
-
-def restricted_target_probs(target: Target, last_hidden: torch.Tensor, t2d: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-    """p_t restricted to the draft vocabulary and renormalised: [N, H] -> [N, n] float32 (chunked,
-    so the [N, V] full distribution never exists at once)."""
-    w_dtype = target.model.get_output_embeddings().weight.dtype
-    parts = []
-    for h in last_hidden.split(chunk):
-        p = torch.softmax(target.lm_head(h.to(w_dtype)).float(), dim=-1)[:, t2d]
-        parts.append(p / p.sum(-1, keepdim=True).clamp_min(1e-12))
-    return torch.cat(parts) if parts else last_hidden.new_zeros(0, int(t2d.sum()))
-
-
-# --------------------------------------------------------------------------- training
-def ttt_states(model: Eagle3Model, target: Target, ids: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
-    """Training-time test: `steps` unrolled head steps over all slots at once -> per step h [B, S, H].
-
-    ids: [B, T], features: [B, T, n_feat, H]; S = T - 1 slots. Step 0 at slot t reads (g_t, x_{t+1});
-    step j reads (its own step j-1 output, ground-truth x_{t+1+j}) at position t + j, and drafts
-    x_{t+2+j}. Keys grow by S per step; masks.ttt_attention_mask says who sees whom.
-    """
-    B, T = ids.shape
-    S = T - 1
-    slot = torch.arange(S, device=ids.device)
-    emb = target.embed(ids)  # [B, T, H]
-    mask = ttt_attention_mask(S, steps).to(ids.device)  # [steps·S, steps·S]
-    h, ctx, states = model.fuse(features[:, :S]), model.empty_kv(B, ids.device), []
-    for j in range(steps):
-        tok = (slot + 1 + j).clamp(max=T - 1)  # past the end: padding, never supervised
-        m = mask[j * S : (j + 1) * S, : (j + 1) * S].expand(B, -1, -1)
-        h, kv = model.step(emb[:, tok], h, (slot + j).expand(B, S), ctx, m)
-        ctx = ctx.append(kv)
-        states.append(h)
-    return states
-
-
-class Eagle3Strategy(Strategy):
-    """Training-time test over γ unrolled steps, Σ_j ttt_decay^j · soft-CE_j (docs/methods/eagle3.md#training-loss)."""
-
-    method = "eagle3"
-
-    def default_feature_layers(self, target: Target) -> tuple[int, ...]:
-        return eagle3_feature_layers(target.num_layers)
-
-    def build(self, cfg: DrafterConfig, target: Target) -> Eagle3Model:
-        if not cfg.feature_layers:
-            cfg.feature_layers = self.default_feature_layers(target)
-        if not 0 < cfg.draft_vocab_size < target.vocab_size:
-            cfg.draft_vocab_size = target.vocab_size  # the full vocabulary (d2t = 0, t2d all True)
-        model = Eagle3Model(cfg, LayerShape.from_hf(target.model.config, cfg.qk_norm), target.vocab_size)
-        model.set_vocab(model.d2t, model.t2d, target)
-        return model
-
-    def prepare(self, model: Eagle3Model, cfg: DrafterConfig, target: Target, data_dir: str) -> None:
-        """The draft vocabulary = the most frequent assistant tokens of the training data (data.py)."""
-        if cfg.draft_vocab_size == target.vocab_size:
-            return
-        from selfdraft.training.data import draft_vocab_of
-
-        vocab = draft_vocab_of(data_dir, cfg.draft_vocab_size, target.vocab_size)
-        model.set_vocab(vocab.d2t.to(model.d2t.device), vocab.t2d.to(model.t2d.device), target)
-
-    def loss(self, model: Eagle3Model, batch: Batch, target: Target, cfg: DrafterConfig, generator) -> LossOutput:
-        ids = batch.input_ids  # [B, T]
-        B, T = ids.shape
-        slot = torch.arange(T - 1, device=ids.device)
-        p_draft = restricted_target_probs(target, batch.last_hidden.flatten(0, 1), model.t2d).view(B, T, -1)
-        losses, metrics = [], {}
-        for j, h in enumerate(ttt_states(model, target, ids, batch.features, cfg.gamma)):
-            # Step j, slot t drafts x_{t+2+j}: soft CE against p_t at t+1+j, where x_{t+2+j} is supervised.
-            gold_at = (slot + 2 + j).clamp(max=T - 1).expand(B, -1)  # [B, S]
-            valid = (slot + 2 + j < T)[None] & batch.loss_mask.gather(1, gold_at)
-            logp = torch.log_softmax(model.draft_logits(h[valid]), dim=-1)  # [N_j, n]
-            label = p_draft[:, (slot + 1 + j).clamp(max=T - 1)][valid]  # [N_j, n]
-            losses.append(-(label * logp).sum(-1).mean() if valid.any() else logp.sum() * 0.0)
-            gold, pred = ids.gather(1, gold_at)[valid], model.target_ids[logp.argmax(-1)]
-            metrics[f"acc@{j + 1}"] = float((pred == gold).float().mean()) if gold.numel() else float("nan")
-            if j == 0:
-                tokens = int(valid.sum())
-        w = cfg.ttt_decay ** torch.arange(cfg.gamma, dtype=torch.float32, device=ids.device)
-        loss = (w * torch.stack(losses)).sum()  # Σ_j 0.8^j L_j
-        return LossOutput(loss=loss, tokens=tokens, metrics={"ce": losses[0].item(), **metrics})
-
-    def drafter(self, model: Eagle3Model, cfg: DrafterConfig, target: Target) -> "Eagle3Drafter":
-        return Eagle3Drafter(model, cfg, target)
 
 
 # --------------------------------------------------------------------------- inference
@@ -338,4 +251,17 @@ class Eagle3Drafter(TrainedDrafter):
         return Proposal(torch.tensor([nodes[c].token for c in keep], dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long))
 
 
-EAGLE3 = register_strategy(Eagle3Strategy())
+def build_eagle3(cfg: DrafterConfig, target: Target) -> Eagle3Model:
+    """A fresh module; empty feature layers get the method's default, an unset or too large draft
+    vocabulary becomes the full one (d2t = 0, t2d all True)."""
+    if not cfg.feature_layers:
+        cfg.feature_layers = eagle3_feature_layers(target.num_layers)
+    if not 0 < cfg.draft_vocab_size < target.vocab_size:
+        cfg.draft_vocab_size = target.vocab_size
+    model = Eagle3Model(cfg, LayerShape.from_hf(target.model.config, cfg.qk_norm), target.vocab_size)
+    model.set_vocab(model.d2t, model.t2d, target)
+    return model
+
+
+register_trained(TrainedMethod("eagle3", build_eagle3, Eagle3Drafter, lambda target: eagle3_feature_layers(target.num_layers),
+                               strategy="selfdraft.training.strategies.eagle3:EAGLE3"))

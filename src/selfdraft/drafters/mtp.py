@@ -17,18 +17,14 @@ import re
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from selfdraft.config import ConfigError, DrafterConfig, SamplingParams
-from selfdraft.drafters.base import Proposal, TrainedDrafter
-from selfdraft.drafters.dflash import lm_logits
+from selfdraft.config import DEFAULT_GAMMA, ConfigError, DrafterConfig, SamplingParams
+from selfdraft.drafters.base import Proposal, TrainedDrafter, TrainedMethod, register_trained
 from selfdraft.drafters.layers import KV, InjectedDecoderLayer, LayerShape, RMSNorm, Rotary
 from selfdraft.sampling import probs_from_logits, process_logits, sample
-from selfdraft.target import Target, TargetStep
-from selfdraft.training.objectives import accuracy_at_k
-from selfdraft.training.strategy import Batch, LossOutput, Strategy, register_strategy
+from selfdraft.target import Target, TargetStep, lm_logits
 
 
 class MTPModule(nn.Module):
@@ -80,56 +76,6 @@ class MTPModel(nn.Module):
     def empty_kv(self, batch: int, device) -> KV:
         z = torch.zeros(batch, self.shape.kv_heads, 0, self.shape.head_dim, device=device, dtype=self.dtype)
         return KV(z, z)
-
-
-def mtp_states(model: MTPModel, target: Target, ids: torch.Tensor, h0: torch.Tensor, depths: int) -> list[torch.Tensor]:
-    """Teacher-forced forward of every depth over all slots -> per depth h^d [B, T, H].
-
-    ids: [B, T], h0: [B, T, H] target final hidden states. Slot t at depth d reads x_{t+d} at
-    position t + d (clamped past the end: those slots are never supervised) and is causal over slots.
-    """
-    B, T = ids.shape
-    slot = torch.arange(T, device=ids.device)
-    causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril().expand(B, -1, -1)
-    emb = target.embed(ids)
-    h, states = h0.to(model.dtype), []
-    for d in range(1, depths + 1):
-        pos = (slot + d).expand(B, T)
-        h_in = model.handoff(d - 1, h)
-        h, _ = model.module(d)(emb[:, (slot + d).clamp(max=T - 1)], h_in, pos, model.empty_kv(B, ids.device), causal, model.rotary)
-        states.append(h)
-    return states
-
-
-class MTPStrategy(Strategy):
-    """Cross-entropy per depth against the next tokens, weighted mtp_decay^(d-1), normalised (docs/methods/mtp.md#training-loss)."""
-
-    method = "mtp"
-
-    def default_feature_layers(self, target: Target) -> tuple[int, ...]:
-        return ()  # MTP reads only the final hidden state
-
-    def build(self, cfg: DrafterConfig, target: Target) -> MTPModel:
-        return MTPModel(cfg, LayerShape.from_hf(target.model.config, cfg.qk_norm))
-
-    def loss(self, model: MTPModel, batch: Batch, target: Target, cfg: DrafterConfig, generator) -> LossOutput:
-        ids = batch.input_ids
-        B, T = ids.shape
-        slot = torch.arange(T, device=ids.device)
-        losses, preds, golds, k_idx = [], [], [], []
-        for d, h in enumerate(mtp_states(model, target, ids, batch.last_hidden, model.depths), start=1):
-            gold_at = (slot + d + 1).clamp(max=T - 1).expand(B, -1)  # slot t at depth d predicts x_{t+d+1}
-            valid = (slot + d + 1 < T)[None] & batch.loss_mask.gather(1, gold_at)
-            logits, gold = model.logits(target, d, h[valid]), ids.gather(1, gold_at)[valid]
-            losses.append(F.cross_entropy(logits, gold) if gold.numel() else logits.sum() * 0.0)
-            preds.append(logits.argmax(-1)), golds.append(gold), k_idx.append(torch.full_like(gold, d - 1))
-        w = cfg.mtp_decay ** torch.arange(model.depths, dtype=torch.float32, device=ids.device)
-        loss = (w * torch.stack(losses)).sum() / w.sum()
-        metrics = {"ce": losses[0].item(), **accuracy_at_k(torch.cat(preds), torch.cat(golds), torch.cat(k_idx), model.depths)}
-        return LossOutput(loss=loss, tokens=int(golds[0].numel()), metrics=metrics)
-
-    def drafter(self, model: MTPModel, cfg: DrafterConfig, target: Target) -> "MTPDrafter":
-        return MTPDrafter(model, cfg, target)
 
 
 # --------------------------------------------------------------------------- inference
@@ -205,7 +151,12 @@ class MTPDrafter(TrainedDrafter):
         return Proposal(drafts, None if params.greedy or not qs else torch.stack(qs))
 
 
-MTP = register_strategy(MTPStrategy())
+def build_mtp(cfg: DrafterConfig, target: Target) -> MTPModel:
+    return MTPModel(cfg, LayerShape.from_hf(target.model.config, cfg.qk_norm))
+
+
+register_trained(TrainedMethod("mtp", build_mtp, MTPDrafter, lambda target: (),  # the final hidden state only
+                               strategy="selfdraft.training.strategies.mtp:MTP"))
 
 
 # --------------------------------------------------------------------------- native weights
@@ -222,7 +173,7 @@ NATIVE_SUFFIXES = {  # DeepSeek-V3 layer-(L+d-1) names -> MTPModule names
 SHARED_SUFFIXES = ("embed_tokens.weight", "shared_head.head.weight")  # the target's own, not loaded
 
 
-def load_native_mtp(path: str | Path, target: Target, gamma: int = 7) -> tuple[MTPModel, DrafterConfig]:
+def load_native_mtp(path: str | Path, target: Target, gamma: int = DEFAULT_GAMMA) -> tuple[MTPModel, DrafterConfig]:
     """Map native MTP weights shipped with a target checkpoint onto MTPModel.
 
     DeepSeek-V3 convention: the MTP module of depth d is stored as decoder layer L + d - 1 of the
@@ -255,7 +206,7 @@ def load_native_mtp(path: str | Path, target: Target, gamma: int = 7) -> tuple[M
         raise ConfigError(f"native MTP block is not Llama-shaped (MLA / MoE?): no counterpart for {unknown[:8]}")
     D = max(found)
     cfg = DrafterConfig(method="mtp", gamma=gamma, feature_layers=(), mtp_modules=D, mtp_recursive=True)
-    model = MTP.build(cfg, target).float()
+    model = build_mtp(cfg, target).float()
     state = {f"layers.{d - 1}.{name}": t for d, tensors in found.items() for name, t in tensors.items()}
     try:
         model.load_state_dict(state, strict=True)

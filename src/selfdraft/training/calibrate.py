@@ -25,7 +25,7 @@ from selfdraft.checkpoint import FORMAT, WEIGHTS_FILE, CheckpointError, atomic_d
 from selfdraft.config import GenerationConfig, SamplingParams
 from selfdraft.decode import Speculation
 from selfdraft.drafters.base import Proposal
-from selfdraft.drafters.dflash import lm_logits
+from selfdraft.target import lm_logits
 from selfdraft.progress import progress_bar
 from selfdraft.sampling import probs_from_logits, sample
 from selfdraft.target import Target

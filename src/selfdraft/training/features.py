@@ -27,7 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from selfdraft.config import ConfigError
-from selfdraft.training.data import DataError, iter_records
+from selfdraft.training.records import DataError, iter_records
 
 BYTES_PER_VALUE = 2  # bf16
 BYTES_PER_TOKEN_IDS = 9  # int32 id + uint8 mask + float32 lse

@@ -1,10 +1,6 @@
-"""Block layout for training parallel drafters on many anchors at once (docs/methods/dflash.md#training-on-many-anchors).
-
-An anchor t is the last verified token of a round: a block of L slots starts at position t and
-sees the context (target features) of positions strictly before t. All A blocks of a sequence run
-in one forward; queries are the A·L block slots, keys are [T context positions ; A·L block slots].
-
-Shapes: B sequences, T tokens, A anchors per sequence, L block length (γ or γ + 1).
+"""Training-only layouts: the anchors of the many-anchor forward of the parallel drafters
+(docs/methods/dflash.md#training-on-many-anchors; the block positions and mask themselves are
+inference's too, in drafters/blocks.py) and EAGLE-3's training-time-test mask.
 """
 
 from __future__ import annotations
@@ -42,29 +38,6 @@ def sample_anchors(
     for b, p in enumerate(picks):
         pos[b, : p.numel()], valid[b, : p.numel()] = p, True
     return Anchors(pos.to(loss_mask.device), valid.to(loss_mask.device))
-
-
-def block_positions(anchor_pos: torch.Tensor, block_len: int) -> torch.Tensor:
-    """[B, A] anchors -> [B, A·L] absolute positions t, t+1, .., t+L-1 of every block slot."""
-    offsets = torch.arange(block_len, device=anchor_pos.device)
-    return (anchor_pos[..., None] + offsets).flatten(1)
-
-
-def block_attention_mask(anchor_pos: torch.Tensor, context_len: int, block_len: int) -> torch.Tensor:
-    """Boolean attention mask [B, A·L, T + A·L] (True = may attend) for the many-anchor forward.
-
-    Query slot (a, j) attends to context key s iff s < t_a, and to block key (a', j') iff a' == a
-    (bidirectional inside its own block, blind to other blocks). Inference is the case A = 1,
-    T = t, where everything is visible.
-    """
-    B, A = anchor_pos.shape
-    dev = anchor_pos.device
-    s = torch.arange(context_len, device=dev)
-    to_ctx = s[None, None, :] < anchor_pos[..., None]  # [B, A, T]
-    to_ctx = to_ctx.repeat_interleave(block_len, dim=1)  # [B, A·L, T]
-    block_id = torch.arange(A, device=dev).repeat_interleave(block_len)  # [A·L]
-    to_block = (block_id[:, None] == block_id[None, :]).expand(B, -1, -1)  # [B, A·L, A·L]
-    return torch.cat([to_ctx, to_block], dim=2)
 
 
 def ttt_attention_mask(slots: int, steps: int) -> torch.Tensor:

@@ -19,20 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from selfdraft.config import ConfigError
-from selfdraft.training.data import (
-    SHAREGPT,
-    DataError,
-    ShardWriter,
-    SourceStats,
-    _write_json,
-    check_not_eval,
-    dataset_totals,
-    prompt_id,
-    read_json_array,
-    sharegpt_path,
-    split_of,
-    tokenize_conversation,
-)
+from selfdraft.training.records import DataError, ShardWriter, _write_json, dataset_totals, tokenize_conversation
+from selfdraft.training.sources import SHAREGPT, SourceStats, check_not_eval, prompt_id, read_json_array, sharegpt_path, split_of
 
 SOURCE = "sharegpt-original"
 

@@ -106,7 +106,7 @@ def load_sequences(data_dir: str | Path, split: str, max_seq_len: int, features:
     memory-mapped cache instead of the dataset, which saves the target forward in every training run.
     Records with nothing left to supervise after truncation are dropped.
     """
-    from selfdraft.training.data import load_records
+    from selfdraft.training.records import load_records
     from selfdraft.training.features import FeatureCache
 
     if features == "online":
@@ -240,7 +240,7 @@ def _train(target, drafter_cfg, train_cfg, out_dir, strategy, resume, on_step, d
     if STRATEGIES.get(drafter_cfg.method) is not strategy:
         raise ConfigError(
             f"strategy {strategy.method!r} is not the one registered for drafter_cfg.method {drafter_cfg.method!r}: "
-            "register it with register_strategy (checkpoints are rebuilt from STRATEGIES[method])"
+            "name it in the method's drafters.base.TRAINED entry, or register it with register_strategy"
         )
     if target.model.dtype != torch.float32 and not train_cfg.bf16:
         raise ConfigError(f"a {target.model.dtype} target needs bf16 autocast: enable bf16, or load the target in float32")
@@ -411,8 +411,6 @@ def _save(run: RunState, out_dir: Path, target: Target, cfg: DrafterConfig, trai
 # ------------------------------------------------------------------ helpers
 def strategy_for(method: str) -> Strategy:
     """The registered training strategy of `method`; the error lists the valid ones."""
-    import selfdraft.drafters  # noqa: F401  (importing the drafter kinds fills STRATEGIES)
-
     if method not in STRATEGIES:
         raise ConfigError(f"unknown training method {method!r}; valid methods: {sorted(STRATEGIES)}")
     return STRATEGIES[method]

@@ -1,0 +1,165 @@
+"""`selfdraft data ...`: the training data pipeline (prompts, target-regenerated answers, original
+answers, the feature cache, the draft vocabulary; docs/data.md)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from selfdraft.cli.common import ComputeDtypeOpt, DtypeOpt, TargetOpt, ThreadsOpt, command, set_threads, warn
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `data` group to the root app."""
+    data_app = typer.Typer(no_args_is_help=True, help="Training data: prompts, target-regenerated answers, features, draft vocab.")
+    for name, fn in (("prompts", data_prompts), ("regenerate", data_regenerate), ("original", data_original),
+                     ("features", data_features), ("vocab", data_vocab)):
+        command(data_app, name)(fn)
+    app.add_typer(data_app, name="data")
+
+
+SourcesArg = typer.Argument(..., help="prompt sources: sharegpt | FILE.jsonl | FILE.json | hf:NAME[:SPLIT]")
+
+
+def _select_prompts(tgt, sources, num_turns, val_fraction, max_prompt_tokens, limit):
+    from selfdraft.training.sources import collect_prompts, select_prompts
+
+    prompts, stats = collect_prompts(list(sources), num_turns=num_turns, val_fraction=val_fraction)
+    chosen = select_prompts(prompts, lambda p: len(tgt.encode_prompt(p.turns[0])), max_prompt_tokens, limit, stats,
+                            min_val=1 if val_fraction > 0 else 0)  # a small --limit still gets a val split
+    return chosen, stats
+
+
+def data_prompts(
+    sources: list[str] = SourcesArg,
+    target: Optional[str] = TargetOpt,
+    num_turns: int = typer.Option(1, "--turns", help="user turns per conversation"),
+    val_fraction: float = typer.Option(0.02, "--val-fraction"),
+    max_prompt_tokens: int = typer.Option(512, "--max-prompt-tokens", help="filter longer templated prompts"),
+    limit: Optional[int] = typer.Option(None, "--limit", help="keep the first N prompts (stable hash order)"),
+) -> None:
+    """Count the usable prompts of the sources (kept / malformed / empty / duplicate / too long)."""
+    from selfdraft.target import Target
+
+    tgt = Target.load(target)
+    chosen, stats = _select_prompts(tgt, sources, num_turns, val_fraction, max_prompt_tokens, limit)
+    val = sum(p.split == "val" for p in chosen)
+    print(json.dumps({**stats.as_dict(), "train": len(chosen) - val, "val": val}))
+
+
+def data_regenerate(
+    sources: list[str] = SourcesArg,
+    out: Path = typer.Option(..., "--out", "-o", help="dataset directory (rerun the same command to resume)"),
+    target: Optional[str] = TargetOpt,
+    limit: Optional[int] = typer.Option(None, "--limit", help="answer the first N prompts (stable hash order)"),
+    num_turns: int = typer.Option(1, "--turns", help="answer up to N user turns with the target's own answers"),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n"),
+    max_prompt_tokens: int = typer.Option(512, "--max-prompt-tokens"),
+    temperature: Optional[float] = typer.Option(None, "--temperature", "-t", help="default: target's, else 0.7"),
+    top_p: Optional[float] = typer.Option(None, "--top-p", help="default: target's, else 0.9"),
+    top_k: int = typer.Option(0, "--top-k", help="0 = off"),
+    batch_size: int = typer.Option(16, "--batch-size", "-b"),
+    val_fraction: float = typer.Option(0.02, "--val-fraction"),
+    seed: int = typer.Option(0, "--seed"),
+    threads: int = ThreadsOpt,
+    dtype: str = DtypeOpt,
+) -> None:
+    """Have the target answer prompts through its chat template; write JSONL shards + manifest."""
+    import shlex
+
+    from selfdraft.target import Target
+    from selfdraft.training.regenerate import RegenConfig, recommended_sampling, regenerate
+
+    set_threads(threads)
+    tgt = Target.load(target, dtype=dtype)
+    rec = {"temperature": 0.7, "top_p": 0.9, **recommended_sampling(tgt)}
+    cfg = RegenConfig(
+        temperature=rec["temperature"] if temperature is None else temperature,
+        top_p=rec["top_p"] if top_p is None else top_p,
+        top_k=top_k, max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
+        num_turns=num_turns, batch_size=batch_size, seed=seed,
+    )
+    chosen, stats = _select_prompts(tgt, sources, num_turns, val_fraction, max_prompt_tokens, limit)
+    print(f"prompts: {json.dumps(stats.as_dict())}", file=sys.stderr)
+    provenance = {"command": shlex.join(["selfdraft", *sys.argv[1:]]), "sources": list(sources),
+                  "limit": limit, "val_fraction": val_fraction, "prompt_stats": stats.as_dict(),
+                  "dtype": dtype, "threads": threads}
+    summary = regenerate(tgt, chosen, out, cfg, provenance=provenance)
+    print(f"wrote {summary.written} conversations ({summary.skipped_done} already done), "
+          f"{summary.generated_tokens} tokens in {summary.wall_s:.0f}s = {summary.tokens_per_s:.1f} tok/s, "
+          f"peak RSS {summary.peak_rss_mb:.0f} MB -> {out}", file=sys.stderr)
+    totals = json.loads((out / "manifest.json").read_text())["totals"]
+    print(f"dataset: {totals['train']['records']} train + {totals['val']['records']} val conversations", file=sys.stderr)
+    if totals["train"]["records"] + totals["val"]["records"] and not totals["val"]["records"]:
+        warn(f"{out} has no validation conversations: `train` reports no val loss and `calibrate --split val` has "
+              "nothing to read; regenerate into a new --out with a larger --limit or --val-fraction")
+
+
+def data_original(
+    out: Path = typer.Option(..., "--out", "-o", help="dataset directory (records as from `data regenerate`)"),
+    source: str = typer.Option("sharegpt", "--source", help="sharegpt (the bundled file) or a ShareGPT-style .json"),
+    limit: int = typer.Option(5000, "--limit", help="conversations to import"),
+    max_seq_len: int = typer.Option(512, "--max-seq-len", help="truncate each conversation to N tokens"),
+    val_fraction: float = typer.Option(0.02, "--val-fraction"),
+    target: Optional[str] = TargetOpt,
+) -> None:
+    """Original ShareGPT answers as contexts (no generation); `data features` then adds the target's labels."""
+    from selfdraft.target import Target
+    from selfdraft.training.original import import_original
+
+    tgt = Target.load(target)
+    s = import_original(tgt, out, limit, source, max_seq_len, val_fraction)
+    print(f"{s.written} conversations written ({s.skipped_existing} already there, {s.too_long_prompt} prompts too long, "
+          f"{s.duplicates} duplicates, {s.malformed} malformed) in {s.wall_s:.0f}s -> {out}\n"
+          f"next: selfdraft data features {out} --out FEATS", file=sys.stderr)
+
+
+def data_features(
+    data: Path = typer.Argument(..., help="regenerated dataset directory"),
+    out: Path = typer.Option(..., "--out", "-o", help="feature cache directory (rerun to resume)"),
+    target: Optional[str] = TargetOpt,
+    feature_layers: Optional[str] = typer.Option(None, "--feature-layers", help="e.g. 1,8,15,22,27 (default: target's 5)"),
+    split: Optional[str] = typer.Option(None, "--split", help="train | val (default: both)"),
+    max_seq_len: int = typer.Option(2048, "--max-seq-len", help="truncate longer conversations"),
+    shard_tokens: int = typer.Option(65536, "--shard-tokens", help="tokens per safetensors shard"),
+    batch_size: int = typer.Option(4, "--batch-size", "-b", help="sequences per target forward"),
+    threads: int = ThreadsOpt,
+    dtype: str = ComputeDtypeOpt,
+    yes: bool = typer.Option(False, "--yes", "-y", help="do not ask before writing"),
+) -> None:
+    """Cache the target's feature-layer and final hidden states per token (bf16 safetensors)."""
+    from selfdraft.target import Target
+    from selfdraft.training.features import FeatureSpec, estimate_bytes, write_feature_cache
+
+    set_threads(threads)
+    tgt = Target.load(target, dtype=dtype)
+    layers = tuple(int(x) for x in feature_layers.split(",")) if feature_layers else tgt.default_feature_layers()
+    spec = FeatureSpec(feature_layers=layers, max_seq_len=max_seq_len, shard_tokens=shard_tokens, batch_size=batch_size)
+    size = estimate_bytes(data, tgt, spec, split)
+    print(f"feature cache for layers {layers}: about {size / 1e9:.2f} GB in {out}", file=sys.stderr)
+    if not yes and sys.stdin.isatty() and not typer.confirm("continue?", default=True):
+        raise typer.Exit(1)
+    index = write_feature_cache(tgt, data, out, spec, split)
+    print(f"{index['records']} conversations, {index['tokens']} tokens, {len(index['shards'])} shards -> {out}",
+          file=sys.stderr)
+
+
+def data_vocab(
+    data: Path = typer.Argument(..., help="regenerated dataset directory"),
+    size: int = typer.Option(8192, "--size", help="draft vocabulary size"),
+    target: Optional[str] = TargetOpt,
+) -> None:
+    """Build the draft vocabulary (most frequent assistant tokens) -> DIR/draft_vocab_SIZE.safetensors."""
+    from selfdraft.target import Target
+    from selfdraft.training.draft_vocab import build_draft_vocab
+
+    manifest = data / "manifest.json"
+    vocab_size = (json.loads(manifest.read_text())["target"]["vocab_size"] if manifest.exists() and target is None
+                  else Target.load(target).vocab_size)
+    vocab = build_draft_vocab(data, size, vocab_size)
+    print(f"draft vocab {size}/{vocab_size} covers {vocab.coverage:.2%} of assistant tokens -> "
+          f"{data / f'draft_vocab_{size}.safetensors'}", file=sys.stderr)

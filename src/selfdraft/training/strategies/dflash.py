@@ -1,0 +1,129 @@
+"""DFlash training: many anchors per sequence in one backbone pass, position-weighted cross-entropy
+(docs/methods/dflash.md#training-on-many-anchors, docs/methods/dflash.md#training-loss)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from selfdraft.config import DrafterConfig
+from selfdraft.drafters.blocks import block_attention_mask
+from selfdraft.drafters.dflash import DFlashModel
+from selfdraft.target import Target, lm_logits
+from selfdraft.training.draft_vocab import draft_vocab_of
+from selfdraft.training.masks import sample_anchors
+from selfdraft.training.objectives import (
+    VocabLoss,
+    accuracy_at_k,
+    l1_distance,
+    position_weights,
+    target_probs,
+    vocab_losses,
+    weighted_mean,
+)
+from selfdraft.training.strategy import Batch, LossOutput, Strategy
+
+
+def prepare_draft_vocab(model: DFlashModel, cfg: DrafterConfig, target: Target, data_dir: str) -> None:
+    """Fill model.draft_ids with the cfg.loss_vocab_size most frequent answer tokens of the training data."""
+    if not cfg.loss_vocab_size:
+        return
+    vocab = draft_vocab_of(data_dir, cfg.loss_vocab_size, target.vocab_size)
+    model.draft_ids.copy_(vocab.target_ids.to(model.draft_ids.device))
+
+
+@dataclass
+class TeacherForced:
+    """All sampled blocks of a batch after one backbone pass. Index [b, a, k-1] = draft k of anchor a."""
+
+    h: torch.Tensor  # [B, A, γ, H] draft-slot hidden states
+    gold: torch.Tensor  # [B, A, γ] x_{t+k}, the token draft k should predict
+    prev: torch.Tensor  # [B, A, γ] x_{t+k-1} (ground truth; x_t = the anchor for k = 1)
+    src: torch.Tensor  # [B, A, γ] t+k-1: where the target's own distribution p_t for x_{t+k} is read
+    valid: torch.Tensor  # [B, A, γ] bool: a real anchor, t+k inside the sequence, an assistant token
+
+    def k_idx(self) -> torch.Tensor:
+        """[N] 0-based block index of every valid position (flattened like `x[self.valid]`)."""
+        return torch.arange(self.gold.shape[-1], device=self.gold.device).expand_as(self.gold)[self.valid]
+
+    def target_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, ...] per-position target values -> [N, ...] read at t+k-1 of every valid position
+        (where p_t for draft k lives)."""
+        b = torch.arange(self.src.shape[0], device=self.src.device)[:, None, None].expand_as(self.src)
+        return x[b[self.valid], self.src[self.valid]]
+
+
+def draft_losses(
+    model: DFlashModel, target: Target, batch: Batch, tf: TeacherForced, bias: torch.Tensor | None, with_l1: bool
+) -> VocabLoss:
+    """Draft logits U_k (+ bias B_k) at the N valid positions and their losses against p_t.
+
+    bias: [N, V] (full vocabulary) or the low-rank factors' product computed by the caller, None for
+    DFlash. Over a draft vocabulary (model.draft_ids) only V' logits are formed (objectives.vocab_losses);
+    otherwise the full [N, V] distributions, as in the papers.
+    """
+    h = tf.h[tf.valid]  # [N, H]
+    gold = tf.gold[tf.valid]  # [N]
+    ids = model.draft_ids
+    if ids is not None:
+        rows = target.model.get_output_embeddings().weight[ids].detach()  # [V', H] frozen
+        logits = lm_logits(target, h, rows) + (0 if bias is None else bias)  # [N, V']
+        t2d = torch.full((target.vocab_size,), -1, dtype=torch.long, device=ids.device)
+        t2d[ids] = torch.arange(ids.numel(), device=ids.device)
+        h_t = tf.target_rows(batch.last_hidden) if with_l1 else None
+        lse = tf.target_rows(batch.target_lse(target)) if with_l1 else None
+        return vocab_losses(logits, rows, ids, t2d, h_t, lse, gold)
+    logits = lm_logits(target, h) + (0 if bias is None else bias)  # [N, V]
+    logp = torch.log_softmax(logits, dim=-1)
+    l1 = l1_distance(logp.exp(), target_probs(target, tf.target_rows(batch.last_hidden))) if with_l1 else None
+    ce = -logp.gather(1, gold[:, None]).squeeze(1)
+    return VocabLoss(l1=l1, ce=ce, ce_rows=torch.ones_like(gold, dtype=torch.bool), pred=logits.argmax(-1))
+
+
+def teacher_forced_blocks(
+    model: DFlashModel, batch: Batch, target: Target, cfg: DrafterConfig, generator: torch.Generator | None
+) -> TeacherForced:
+    """Sample anchors, then run every block of every sequence in ONE backbone forward (docs/methods/dflash.md#training-on-many-anchors)."""
+    ids = batch.input_ids  # [B, T]
+    B, T = ids.shape
+    # 1. Anchors t whose next token is a supervised assistant token (up to cfg.anchors_per_seq).
+    anchors = sample_anchors(batch.loss_mask, batch.attention_mask, cfg.anchors_per_seq, generator)
+    # 2. Targets x_{t+k}, k = 1..γ, and their validity.
+    idx = anchors.pos[..., None] + torch.arange(1, cfg.gamma + 1, device=ids.device)  # [B, A, γ]
+    at = idx.clamp(max=T - 1).flatten(1)  # [B, A·γ]
+
+    def gather(x: torch.Tensor) -> torch.Tensor:  # [B, T] -> [B, A, γ] values at t+k
+        return x.gather(1, at).view(idx.shape)
+
+    valid = (idx < T) & gather(batch.loss_mask) & gather(batch.attention_mask) & anchors.valid[..., None]
+    src = (idx - 1).clamp(max=T - 1)
+    prev = ids.gather(1, src.flatten(1)).view(idx.shape)
+    # 3. Context once per sequence (positions 0..T-1), then all blocks under the block mask.
+    c = model.context(batch.features)  # [B, T, H]
+    ctx = model.context_kv(c, torch.arange(T, device=ids.device).expand(B, T))
+    anchor_emb = target.embed(ids.gather(1, anchors.pos))  # [B, A, H]
+    mask = block_attention_mask(anchors.pos, T, model.block_len)  # [B, A·L, T + A·L]
+    h = model.backbone(ctx, anchor_emb, anchors.pos, mask)  # [B, A, γ, H]
+    return TeacherForced(h=h, gold=gather(ids), prev=prev, src=src, valid=valid)
+
+
+class DFlashStrategy(Strategy):
+    """DFlash: position-weighted cross-entropy against the hard next tokens (docs/methods/dflash.md#training-loss)."""
+
+    method = "dflash"
+
+    def prepare(self, model: DFlashModel, cfg: DrafterConfig, target: Target, data_dir: str) -> None:
+        prepare_draft_vocab(model, cfg, target, data_dir)
+
+    def loss(self, model, batch: Batch, target: Target, cfg: DrafterConfig, generator) -> LossOutput:
+        tf = teacher_forced_blocks(model, batch, target, cfg, generator)
+        k_idx, gold = tf.k_idx(), tf.gold[tf.valid]  # [N], [N]
+        d = draft_losses(model, target, batch, tf, None, with_l1=False)  # U_k over V (or V')
+        w = position_weights(cfg.gamma, cfg.loss_decay, gold.device)
+        ce = weighted_mean(d.ce, k_idx[d.ce_rows], w)
+        metrics = {"ce": ce.item(), **accuracy_at_k(d.pred, gold, k_idx, cfg.gamma)}
+        return LossOutput(loss=ce, tokens=int(gold.numel()), metrics=metrics)
+
+
+DFLASH = DFlashStrategy()
