@@ -154,7 +154,7 @@ def test_cli_temperature_too_small_for_float32_decodes_greedily_and_nan_exits_2(
     base = ["generate", "-p", "hello", "--target", str(tmp_path), "--dtype", "float32", "-n", "12", "--json"]
     runs = {t: CliRunner().invoke(app, [*base, "--temperature", t, "--seed", "1"]) for t in ("0", "1e-40", "5e-324")}
     assert all(r.exit_code == 0 for r in runs.values()), [r.output for r in runs.values()]
-    ids = {t: json.loads(r.output.strip().splitlines()[-1])["token_ids"] for t, r in runs.items()}
+    ids = {t: json.loads(r.stdout.strip().splitlines()[-1])["token_ids"] for t, r in runs.items()}  # stderr: notes
     assert ids["1e-40"] == ids["5e-324"] == ids["0"]
     for bad in ("nan", "inf"):
         res = CliRunner().invoke(app, [*base, "--temperature", bad])

@@ -265,9 +265,6 @@ def test_every_trained_method_names_its_strategy():
 
 
 # ----------------------------------------------------------------------------- each default once
-# serve/app.py's create_app(gamma=7) is another change's file (issue 15 item 1); it should read
-# config.DEFAULT_GAMMA too.
-GAMMA_LITERALS_ELSEWHERE = {"serve/app.py"}
 
 
 def gamma_literals(src: Path, pkg: str) -> list[str]:
@@ -300,5 +297,5 @@ def test_gamma_default_is_written_once(tmp_path):
     (toy / "a.py").write_text("def f(x, gamma=7):\n    pass\nclass C:\n    gamma: int = 7\n"
                               "o = typer.Option(7, '--gamma')\nok = typer.Option(G, '--gamma')\n")
     assert sorted(gamma_literals(tmp_path, "toy")) == ["a.py:1", "a.py:4", "a.py:5"]
-    found = [x for x in gamma_literals(SRC, PKG) if x.split(":")[0] not in GAMMA_LITERALS_ELSEWHERE]
+    found = gamma_literals(SRC, PKG)
     assert not found, f"read config.DEFAULT_GAMMA instead of writing γ's default: {found}"

@@ -120,7 +120,8 @@ def cost_table_for(target: Target, max_tokens: int, log=None) -> CostTable:
             pass
     t0 = time.perf_counter()
     bs = list(range(1, max_tokens + 1)) if max_tokens <= 16 else geometric_batch_tokens(max_tokens)
-    prof = measure_sps(target, target.profile_key, bs, kv_len=256, repeats=2)
+    kv = max(1, min(256, target.max_context - bs[-1] - 1))  # a small model's context may be shorter
+    prof = measure_sps(target, target.profile_key, bs, kv_len=kv, repeats=2)
     save_profile(prof, path)
     if log is not None:
         log(f"measured SPS(B) for the hardware scheduler in {time.perf_counter() - t0:.1f}s -> {path}")

@@ -22,6 +22,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from selfdraft.config import DEFAULT_GAMMA
 from selfdraft.serve.engine_loop import Delta, EngineLoop, Handle, Overloaded, RequestSpec, ShuttingDown
 from selfdraft.serve.protocol import (
     ChatCompletionRequest,
@@ -56,7 +57,7 @@ ERROR_RESPONSES: dict[int | str, dict] = {
 }
 
 
-def create_app(runner: EngineLoop, model_name: str, api_key: str | None = None, gamma: int = 7,
+def create_app(runner: EngineLoop, model_name: str, api_key: str | None = None, gamma: int = DEFAULT_GAMMA,
                shutdown_grace_s: float = 10.0, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI app. Its lifespan starts the engine thread and, on shutdown, stops admitting,
     lets in-flight requests finish for up to shutdown_grace_s, cancels the rest and joins the thread
