@@ -113,7 +113,7 @@ def cost_table_for(target: Target, max_tokens: int, log=None) -> CostTable:
     path = profile_path(target, target.profile_key)
     if path.exists():
         try:
-            prof = Profile(**json.loads(path.read_text()))
+            prof = load_profile(target, target.profile_key)
             if prof.threads == torch.get_num_threads() and prof.batch_tokens[-1] >= max_tokens:
                 return prof.cost_table()
         except (TypeError, ValueError):  # an older or damaged file: measure again

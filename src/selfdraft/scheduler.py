@@ -168,6 +168,15 @@ class Admission:
         self.closed = not ok
         return ok
 
+    def count(self, confidences) -> int:
+        """Admit c_1, c_2, .. in order; how many were admitted before the first refusal."""
+        n = 0
+        for c in confidences:
+            if not self.admit(float(c)):
+                break
+            n += 1
+        return n
+
 
 @dataclass
 class AcceptanceHistory:
@@ -188,9 +197,7 @@ class AcceptanceHistory:
 
     def admitted(self, admission: Admission, n: int) -> int:
         """ℓ ≤ n drafts to verify this round, by the online rule on ĉ_1..ĉ_n."""
-        ell = 0
-        while ell < min(n, self.gamma) and admission.admit((self.accepted[ell] + 2) / (self.tried[ell] + 3)):
-            ell += 1
+        ell = admission.count((a + 2) / (t + 3) for a, t in zip(self.accepted[:n], self.tried[:n]))
         if ell == 0 and n > 0 and self.idle >= self.explore:
             ell = 1
         self.idle = 0 if ell else self.idle + 1

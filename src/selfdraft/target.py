@@ -401,9 +401,11 @@ def _converted_gguf_dir(gguf: Path, cache_name: str | None = None) -> Path:
 
 def lm_logits(target: Target, h: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """U = the target's frozen LM head on drafter states: [..., H] -> [..., V] float32, or only over a
-    draft vocabulary whose LM-head rows [V', H] are given -> [..., V']. Drafters share the target's
-    head (never a copy), so every drafter and the calibration read their logits through this."""
+    draft vocabulary whose LM-head rows are given transposed, [H, V'] -> [..., V'] (a drafter keeps
+    them contiguous: a few-row product with a row-major right operand is ~2x faster on CPU). Drafters
+    share the target's head (never a copy), so every drafter and the calibration read their logits
+    through this."""
     if rows is not None:
-        return torch.nn.functional.linear(h.to(rows.dtype), rows).float()
+        return (h.to(rows.dtype) @ rows).float()
     w_dtype = target.model.get_output_embeddings().weight.dtype
     return target.lm_head(h.to(w_dtype)).float()

@@ -71,11 +71,10 @@ class LlamaServer:
 
     def complete(self, ids: list[int], max_new_tokens: int, temperature: float, top_p: float, seed: int) -> dict:
         """POST /completion with token ids -> the server's JSON (tokens, timings)."""
+        greedy = temperature == 0
         body = {"prompt": ids, "n_predict": max_new_tokens, "temperature": temperature, "top_p": top_p,
-                "top_k": 0, "min_p": 0.0, "seed": seed, "cache_prompt": False, "return_tokens": True,
-                "samplers": ["top_p", "temperature"] if temperature > 0 else ["top_k"]}
-        if temperature == 0:
-            body["top_k"] = 1  # greedy
+                "top_k": 1 if greedy else 0, "min_p": 0.0, "seed": seed, "cache_prompt": False,
+                "return_tokens": True, "samplers": ["top_k"] if greedy else ["top_p", "temperature"]}
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=600) as r:

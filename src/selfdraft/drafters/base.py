@@ -86,10 +86,7 @@ class Drafter:
         p = self.propose(tokens, gamma, params, generator)
         if admission is None or p.confidences is None or p.parents is not None:
             return p
-        n = 0
-        while n < len(p.tokens) and admission.admit(float(p.confidences[n])):
-            n += 1
-        return p.truncate(n)
+        return p.truncate(admission.count(p.confidences))
 
     def observe(self, verification: "Verification", step: "TargetStep") -> None:
         """After verification: step is sliced to the committed positions ([1, n_accepted + 1, ...]):

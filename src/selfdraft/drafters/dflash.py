@@ -260,13 +260,10 @@ class DFlashDrafter(TrainedDrafter):
             return super().propose_until(tokens, gamma, params, generator, admission)
         h = DFlashDrafter.draft_states_many([self], [tokens])  # [1, γ, H]
         x0 = torch.tensor([tokens[-1]], device=h.device)
-        if not admission.admit(float(self.model.first_confidence(h[:, 0], x0)[0])):
+        if not admission.admit(float(self.model.confidence_at(h[:, 0], x0, 0)[0])):
             return Proposal.empty()
         p = DFlashDrafter.propose_many([self], [tokens], [gamma], [params], [generator], h=h)[0]
-        n = 1
-        while n < len(p.tokens) and admission.admit(float(p.confidences[n])):
-            n += 1
-        return p.truncate(n)
+        return p.truncate(1 + admission.count(p.confidences[1:]))
 
     @staticmethod
     @torch.inference_mode()
@@ -284,7 +281,7 @@ class DFlashDrafter(TrainedDrafter):
             h = DFlashDrafter.draft_states_many([drafters[r] for r in live], [tokens[r] for r in live])
         h = h[:, : max(g)]
         vocab, rows = drafters[live[0]].vocab, drafters[live[0]].lm_rows  # shared by a batch_key group
-        U = lm_logits(target, h) if rows is None else (h.to(rows.dtype) @ rows).float()  # [R', γ, V' or V]
+        U = lm_logits(target, h, rows)  # [R', γ, V'] (V' = V without a draft vocabulary)
         # 2. Left-to-right choice of x_k (DSpark adds the Markov bias and c_k inside decode_blocks);
         #    positions past a request's own γ_r are filled greedily and cut, drawing no randomness.
 

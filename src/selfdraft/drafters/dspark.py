@@ -86,9 +86,9 @@ class DSparkModel(DFlashModel):
         x = h if self.markov is None else torch.cat([h, self.markov.W1(prev)], -1)
         return self.confidence(x).squeeze(-1)
 
-    def first_confidence(self, h1: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
-        """c_1 = σ(z_1 / T_1) from h_1 [R, d] and the anchor x_0 [R] -> [R], as decode_blocks computes it."""
-        return torch.sigmoid(self._conf_logit(h1, x0).float() / self.conf_temperature[0])
+    def confidence_at(self, h_k: torch.Tensor, prev: torch.Tensor, k: int) -> torch.Tensor:
+        """c_{k+1} = σ(z / T_{k+1}) from h_k [R, d] and the previous token x_k [R] -> [R] (k 0-based)."""
+        return torch.sigmoid(self._conf_logit(h_k, prev).float() / self.conf_temperature[k])
 
     def heads(self, h: torch.Tensor, prev: torch.Tensor) -> HeadOut:
         """Teacher forced: h [..., γ, d], prev [..., γ] ground-truth x_{k-1} -> HeadOut."""
@@ -127,7 +127,7 @@ class DSparkModel(DFlashModel):
                 e, s = self.markov.step(h[:, k], prev, s)  # [R, r]
                 logit = logit + F.linear(e, W2).float()
             if self.confidence is not None:
-                conf.append(torch.sigmoid(self._conf_logit(h[:, k], prev).float() / self.conf_temperature[k]))
+                conf.append(self.confidence_at(h[:, k], prev, k))
             idx = pick(k, logit)
             prev = idx if vocab is None else vocab[idx]
             tokens.append(prev)

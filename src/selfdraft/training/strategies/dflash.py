@@ -68,7 +68,7 @@ def draft_losses(
     ids = model.draft_ids
     if ids is not None:
         rows = target.model.get_output_embeddings().weight[ids].detach()  # [V', H] frozen
-        logits = lm_logits(target, h, rows) + (0 if bias is None else bias)  # [N, V']
+        logits = lm_logits(target, h, rows.t()) + (0 if bias is None else bias)  # [N, V']
         t2d = torch.full((target.vocab_size,), -1, dtype=torch.long, device=ids.device)
         t2d[ids] = torch.arange(ids.numel(), device=ids.device)
         h_t = tf.target_rows(batch.last_hidden) if with_l1 else None
