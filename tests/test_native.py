@@ -30,6 +30,7 @@ from selfdraft.config import GenerationConfig, SamplingParams
 from selfdraft.decode import generate
 from selfdraft.drafters import REGISTRY
 from selfdraft.native import NativeCache
+from selfdraft.native.quant import Fp16Linear
 from selfdraft.target import Target, TargetError
 from selfdraft.tree import tree_inputs
 from tests.conftest import tiny_llama
@@ -208,7 +209,7 @@ def _dequantized_hf(model, nat: Target):
     return ref
 
 
-@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("weights", ["int8", "int4", "fp16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_quantized_stack_equals_its_dequantized_model(arch, weights):
     model = build(arch)
@@ -221,7 +222,17 @@ def test_quantized_stack_equals_its_dequantized_model(arch, weights):
     # and the quantisation itself stays close to the float model (catches a wrong scale/zero layout)
     full = Target(model).forward(ids, None).logits
     err = (b.logits - full).abs().max() / full.abs().max()
-    assert err < (0.03 if weights == "int8" else 0.2), err
+    assert err < {"int8": 0.03, "int4": 0.2, "fp16": 2e-3}[weights], err
+
+
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_lossless_greedy_suite_on_fp16_weights(gamma):
+    """fp16 weights (FBGEMM): every drafter's greedy output == plain greedy == HF generate() on a
+    model holding the same float16-rounded weights."""
+    model = tiny_llama()
+    fp16 = Target(_dequantized_hf(model, Target(model, backend="native", weights="fp16")), backend="native", weights="fp16")
+    assert fp16.weights == "fp16" and isinstance(fp16.native.layers[0].qkv, Fp16Linear)
+    td.test_greedy_equals_plain_and_hf_generate(fp16, gamma)
 
 
 def test_int4_falls_back_to_dense_for_shapes_the_kernel_refuses():
