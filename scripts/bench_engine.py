@@ -25,7 +25,7 @@ from selfdraft.decode import generate
 from selfdraft.drafters import REGISTRY
 from selfdraft.target import Target
 
-VARIANTS = ("hf-fp32", "hf-bf16", "native-fp32", "native-bf16", "native-int8", "native-int4")
+VARIANTS = ("hf-fp32", "hf-bf16", "native-fp32", "native-fp16", "native-bf16", "native-int8", "native-int4")
 
 
 def sync(device: torch.device) -> None:
