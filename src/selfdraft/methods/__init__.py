@@ -140,9 +140,11 @@ def drafter_config(data: dict[str, Any], legacy: bool = False) -> DrafterConfig:
     field that holds its default is dropped; one set to anything else still raises.
     """
     method = data.get("method", DrafterConfig.method)
+    trained = names(trained=True)
+    if method not in trained:
+        free = " (a training-free method: no config, nothing to train)" if method in METHODS else ""
+        raise ConfigError(f"unknown training method {method!r}{free}; valid methods: {sorted(trained)}")
     m = get(method)
-    if not m.trained:
-        raise ConfigError(f"{method} is training-free: it has no drafter config")
     own = {f.name for f in dataclasses.fields(m.config)}
     foreign = foreign_fields(method)
     unknown = sorted(k for k in data if k not in own and k not in foreign)

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from selfdraft.methods.dflash.config import DFlashConfig
 from selfdraft.drafters.blocks import block_attention_mask
+from selfdraft.methods.dflash.config import DFlashConfig
 from selfdraft.methods.dflash.model import DFlashModel
 from selfdraft.target import Target, lm_logits
 from selfdraft.training.draft_vocab import draft_vocab_of

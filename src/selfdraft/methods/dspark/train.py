@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
+from selfdraft.methods.dflash.train import DFlashStrategy, draft_losses, teacher_forced_blocks
 from selfdraft.methods.dspark.config import DSparkConfig
 from selfdraft.methods.dspark.model import DSparkModel
 from selfdraft.target import Target
 from selfdraft.training.objectives import accuracy_at_k, confidence_labels, position_weights, weighted_mean
-from selfdraft.methods.dflash.train import DFlashStrategy, draft_losses, teacher_forced_blocks
 from selfdraft.training.strategy import Batch, LossOutput
 
 
