@@ -31,8 +31,11 @@ def target() -> Target:
 
 
 def make(method: str, target: Target, seed: int = 1, markov_scale: float = 0.5, **kw):
-    """A randomly initialised model (the Markov W2 made non-zero so the head matters) and its cfg."""
+    """A randomly initialised model (the Markov W2 made non-zero so the head matters) and its cfg.
+    Tests run both methods with DSpark's `markov_rank`: DFlash, which has no Markov head, drops it."""
     torch.manual_seed(seed)
+    if method == "dflash":
+        kw.pop("markov_rank", None)
     cfg = methods.get(method).config(feature_layers=FEATS, **kw)
     model = STRATEGIES[method].build(cfg, target)
     markov = getattr(model, "markov", None)
