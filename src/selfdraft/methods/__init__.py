@@ -37,7 +37,7 @@ METHODS: dict[str, str] = {
 
 
 def resolve(where: str) -> Any:
-    """"package.module:attribute" -> the attribute (the module imported on first use)."""
+    """A part named as "package.module:attribute" -> the attribute (its module imported on first use)."""
     module, _, attr = where.partition(":")
     return getattr(importlib.import_module(module), attr)
 
