@@ -28,7 +28,7 @@ import tests.test_engine as te
 import tests.test_tree as tt
 from selfdraft.config import GenerationConfig, SamplingParams
 from selfdraft.decode import generate
-from selfdraft.drafters import REGISTRY
+from selfdraft.methods.none.drafter import NoDrafter
 from selfdraft.native import NativeCache
 from selfdraft.native.quant import Fp16Linear
 from selfdraft.target import Target, TargetError
@@ -87,7 +87,7 @@ def test_native_matches_hf_prefill_decode_verify(arch):
     n = 24
     prompt = ids[0, :9].tolist()
     ref = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, 9:].tolist()
-    res = generate(nat, REGISTRY["none"](), prompt, config=GenerationConfig(max_new_tokens=n))
+    res = generate(nat, NoDrafter(), prompt, config=GenerationConfig(max_new_tokens=n))
     assert res.token_ids == ref
 
 
@@ -185,8 +185,8 @@ def test_batched_engine_on_native(kind, sched):
     nat = Target(model, backend="native")
     te.test_batched_greedy_equals_single_request(nat, kind, sched)
     prompt = te.PROMPTS[0]
-    hf_out = generate(Target(model), REGISTRY["none"](), prompt, config=GenerationConfig(max_new_tokens=30)).token_ids
-    assert generate(nat, REGISTRY["none"](), prompt, config=GenerationConfig(max_new_tokens=30)).token_ids == hf_out
+    hf_out = generate(Target(model), NoDrafter(), prompt, config=GenerationConfig(max_new_tokens=30)).token_ids
+    assert generate(nat, NoDrafter(), prompt, config=GenerationConfig(max_new_tokens=30)).token_ids == hf_out
 
 
 # ----------------------------------------------------------------------------- quantised weights
@@ -238,7 +238,7 @@ def test_lossless_greedy_suite_on_fp16_weights(gamma):
 def test_int4_falls_back_to_dense_for_shapes_the_kernel_refuses():
     nat = Target(tiny_llama(hidden=24, vocab=96), backend="native", weights="int4")  # K = 24: no whole group
     assert any("stay dense" in n for n in nat.notes)
-    assert generate(nat, REGISTRY["none"](), [1, 2, 3], config=GenerationConfig(max_new_tokens=5)).token_ids
+    assert generate(nat, NoDrafter(), [1, 2, 3], config=GenerationConfig(max_new_tokens=5)).token_ids
 
 
 def test_backend_options_are_checked():
@@ -333,4 +333,4 @@ def test_embedded_native_equals_hf(embedded_fp32):
         assert_steps_close(ref, nat.forward(torch.tensor([ids]), None, (1, 8, 27)))
         assert (int4.forward(torch.tensor([ids]), None).logits - ref.logits).abs().max() <= 2e-3
         hf = embedded_fp32.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids):].tolist()
-        assert generate(nat, REGISTRY["none"](), ids, config=GenerationConfig(max_new_tokens=n)).token_ids == hf
+        assert generate(nat, NoDrafter(), ids, config=GenerationConfig(max_new_tokens=n)).token_ids == hf

@@ -38,7 +38,8 @@ from selfdraft.checkpoint import (
     recover_interrupted_save,
     write_checkpoint_files,
 )
-from selfdraft.config import ConfigError, DrafterConfig, TrainConfig, from_dict
+from selfdraft.config import ConfigError, DrafterConfig, TrainConfig
+from selfdraft.methods import drafter_config
 from selfdraft.progress import progress_bar
 from selfdraft.target import Target
 from selfdraft.training.strategy import STRATEGIES, Batch, LossOutput, Strategy
@@ -248,11 +249,11 @@ def _plan(target: Target, drafter_cfg: DrafterConfig, train_cfg: TrainConfig, st
     if STRATEGIES.get(drafter_cfg.method) is not strategy:
         raise ConfigError(
             f"strategy {strategy.method!r} is not the one registered for drafter_cfg.method {drafter_cfg.method!r}: "
-            "name it in the method's drafters.base.TRAINED entry, or register it with register_strategy"
+            "name it in the method's selfdraft.methods.Method (its `strategy`)"
         )
     if target.model.dtype != torch.float32 and not train_cfg.bf16:
         raise ConfigError(f"a {target.model.dtype} target needs bf16 autocast: enable bf16, or load the target in float32")
-    cfg = replace(drafter_cfg, feature_layers=drafter_cfg.feature_layers or strategy.default_feature_layers(target))
+    cfg = replace(drafter_cfg, feature_layers=drafter_cfg.feature_layers or drafter_cfg.default_feature_layers(target))
     if train_cfg.features != "online":
         from selfdraft.training.features import FeatureCache
 
@@ -475,7 +476,7 @@ def _check_resumable(out_dir: Path, target: Target, cfg: DrafterConfig, train_cf
     check_target(meta, target, out_dir)
     if not (out_dir / STATE_FILE).exists():
         raise ConfigError(f"{out_dir} holds a drafter without {STATE_FILE}: it cannot be resumed; pass --no-resume to overwrite it")
-    saved = from_dict(DrafterConfig, meta["drafter"])
+    saved = drafter_config({**meta["drafter"], "method": meta["method"]}, legacy=True)
     if saved != cfg:
         diff = {k: (v, getattr(cfg, k)) for k, v in asdict(saved).items() if v != getattr(cfg, k)}
         raise ConfigError(f"{out_dir} was trained with another drafter config (saved, now): {diff}; use the same settings, or --no-resume")

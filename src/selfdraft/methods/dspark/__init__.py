@@ -1,0 +1,14 @@
+"""DSpark: DFlash + Markov head + confidence head (docs/methods/dspark.md). It extends DFlash: its
+module subclasses DFlash's, DFlash's drafter serves it, and its strategy and export map extend DFlash's."""
+
+from selfdraft.methods import Method
+from selfdraft.methods.dspark.config import DSparkConfig
+
+METHOD = Method(
+    name="dspark",
+    config=DSparkConfig,
+    model="selfdraft.methods.dspark.model:build_dspark",
+    drafter="selfdraft.methods.dflash.drafter:DFlashDrafter",  # its model's decode_blocks adds the heads
+    strategy="selfdraft.methods.dspark.train:DSPARK",
+    export="selfdraft.methods.dspark.export:SPECULATORS",
+)

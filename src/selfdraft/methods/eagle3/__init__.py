@@ -1,0 +1,13 @@
+"""EAGLE-3: a one-layer autoregressive head on fused target features, chain or dynamic tree (docs/methods/eagle3.md)."""
+
+from selfdraft.methods import Method
+from selfdraft.methods.eagle3.config import Eagle3Config
+
+METHOD = Method(
+    name="eagle3",
+    config=Eagle3Config,
+    model="selfdraft.methods.eagle3.model:build_eagle3",
+    drafter="selfdraft.methods.eagle3.drafter:Eagle3Drafter",
+    strategy="selfdraft.methods.eagle3.train:EAGLE3",
+    export="selfdraft.methods.eagle3.export:SPECULATORS",
+)
