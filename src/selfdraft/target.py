@@ -138,7 +138,7 @@ class Target:
 
         dtype None: float32 on the native backend on CPU, bfloat16 otherwise (resolve_options).
         weights 'auto' on the native backend: fp16 (FBGEMM) on an x86 CPU when no dtype is given (the
-        fastest format measured there, docs/engine.md#weight-formats), else dense weights in the dtype
+        fastest format measured there, docs/engine.md#speed), else dense weights in the dtype
         (so `--dtype float32` still means the exact float32 target)."""
         dtype_given = dtype is not None
         weights, dtype, device = resolve_options(backend, weights, dtype, device)

@@ -10,7 +10,7 @@ memory-bound decode step pays for):
 
 - fp16 (CPU): weights rounded to float16 and packed for FBGEMM's fp16 GEMM; activations and
   accumulation stay float32. FBGEMM handles the few-row products of decode and verify far better
-  than the BLAS's float32 path (docs/engine.md#weight-formats).
+  than the BLAS's float32 path (docs/engine.md#speed).
 
 `Int4Weights` is the unpacked form (q, s, z) so GGUF blocks can be mapped onto it exactly
 (native/gguf.py) and several projections fused by concatenating rows before packing.
