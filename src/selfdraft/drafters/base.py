@@ -149,13 +149,20 @@ class TrainedDrafter(Drafter):
     """Shared setup of drafters with trained weights (MTP, EAGLE-3, DFlash, DSpark).
 
     The module runs in the target's dtype; a module in another dtype is copied, not cast, because
-    the trainer may still be training it (validation builds drafters from the live model).
+    the trainer may still be training it (validation builds drafters from the live model). Beside a
+    target with fp16 weights, a copy's linear layers run FBGEMM's fp16 kernel as the target's do:
+    the drafter's few-row products cost about half (docs/engine.md#speed); drafts may differ in the
+    last bits, which changes acceptance only, never the output.
     """
 
     def __init__(self, model: torch.nn.Module, cfg, target: "Target") -> None:
         dtype, device = target.model.dtype, target.model.device
         same = model.dtype == dtype and next(model.parameters(), torch.empty(0, device=device)).device == device
         self.model = model if same else copy.deepcopy(model).to(device, dtype)
+        if getattr(target, "weights", None) == "fp16":
+            from selfdraft.native.quant import fp16_linears
+
+            self.model = fp16_linears(copy.deepcopy(model) if self.model is model else self.model)
         self.cfg, self.target = cfg, target
         self.name = cfg.method
         self.feature_layers = tuple(cfg.feature_layers)

@@ -183,3 +183,13 @@ class Fp16Linear(Linear):
     def nbytes(self) -> int:
         return self.out_features * self.in_features * 2
 
+
+
+def fp16_linears(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` (changed in place, for inference) with each nn.Linear's forward through FBGEMM's fp16
+    kernel; the float32 parameters stay, for code that reads them (e.g. a head's rows)."""
+    for lin in module.modules():
+        if isinstance(lin, torch.nn.Linear):
+            kernel = Fp16Linear(lin.weight.detach(), None if lin.bias is None else lin.bias.detach())
+            lin.forward = kernel  # instance attribute: nn.Module.__call__ finds it before the class method
+    return module.eval()
