@@ -249,7 +249,7 @@ def test_inference_does_not_import_a_methods_training_part():
             m = methods.get(name)
             for part in (m.drafter, m.model, m.export):
                 if part:
-                    methods.resolve(part)
+                    m.part(part)
         print(sorted(k for k in sys.modules if k.startswith("selfdraft.training") or k.endswith(".train")))
     """)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,

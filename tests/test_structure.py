@@ -276,12 +276,12 @@ def test_every_method_resolves_through_the_one_registry():
     assert set(methods.names(trained=False)) >= {"none", "ngram"}
     for name in methods.names():
         m = methods.get(name)
-        assert m.name == name and callable(methods.resolve(m.drafter)), name
+        assert m.name == name and callable(m.part(m.drafter)), name
         if not m.trained:
             assert not (m.model or m.strategy or m.export), name
             continue
         assert issubclass(m.config, DrafterConfig) and m.config().method == name, name
-        assert callable(methods.resolve(m.model)), name
+        assert callable(m.part(m.model)), name
         strategy = STRATEGIES[name]
         assert isinstance(strategy, Strategy) and strategy.method == name, m.strategy
         assert type(strategy).build is Strategy.build and type(strategy).drafter is Strategy.drafter, name

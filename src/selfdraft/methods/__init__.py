@@ -36,15 +36,17 @@ METHODS: dict[str, str] = {
 }
 
 
-def resolve(where: str) -> Any:
-    """A part named as "package.module:attribute" -> the attribute (its module imported on first use)."""
+def resolve(where: str, package: str = "") -> Any:
+    """A part named as "package.module:attribute" -> the attribute (its module imported on first use);
+    ".module:attribute" is relative to `package` (the method's own package)."""
     module, _, attr = where.partition(":")
-    return getattr(importlib.import_module(module), attr)
+    return getattr(importlib.import_module(module, package or None), attr)
 
 
 @dataclass(frozen=True)
 class Method:
-    """One drafting method. Parts other than the config are "module:attribute" strings, imported on use.
+    """One drafting method. Parts other than the config are "module:attribute" strings, imported on use
+    (".module:attribute": a module of the method's own package).
 
     Training-free methods (no `config`): `drafter` is a factory (target, **options) -> Drafter.
     Trained methods: `drafter` wraps a module, (model, cfg, target) -> Drafter; `model` builds a fresh
@@ -58,6 +60,10 @@ class Method:
     model: str = ""
     strategy: str = ""
     export: str = ""
+    package: str = ""  # where METHOD was found (set by `get`): the anchor of relative parts
+
+    def part(self, where: str) -> Any:
+        return resolve(where, self.package)
 
     @property
     def trained(self) -> bool:
@@ -67,7 +73,7 @@ class Method:
         """A training-free drafter."""
         if self.trained:
             raise ConfigError(f"{self.name} drafters load from a checkpoint directory (train one with `selfdraft train`)")
-        return resolve(self.drafter)(target, **options)
+        return self.part(self.drafter)(target, **options)
 
     def build(self, cfg: DrafterConfig, target: "Target") -> "torch.nn.Module":
         """A fresh module for `target`; empty feature layers become the method's default (so checkpoints record them)."""
@@ -76,15 +82,15 @@ class Method:
                               f"got a {type(cfg).__name__} (selfdraft.methods.drafter_config builds one from a dict)")
         if not cfg.feature_layers:
             cfg.feature_layers = tuple(cfg.default_feature_layers(target))
-        return resolve(self.model)(cfg, target)
+        return self.part(self.model)(cfg, target)
 
     def wrap(self, model: "torch.nn.Module", cfg: DrafterConfig, target: "Target") -> "Drafter":
         """A trained module -> its inference drafter."""
-        return resolve(self.drafter)(model, cfg, target)
+        return self.part(self.drafter)(model, cfg, target)
 
     def speculators(self) -> "MethodMap | None":
         """How the method looks in the speculators format vLLM loads (export.py), or None."""
-        return resolve(self.export) if self.export else None
+        return self.part(self.export) if self.export else None
 
 
 _loaded: dict[str, Method] = {}
@@ -99,7 +105,7 @@ def get(name: str) -> Method:
         method = importlib.import_module(where).METHOD
         if method.name != name:
             raise ValueError(f"{where} defines method {method.name!r}, registered as {name!r}")
-        _loaded[where] = method
+        _loaded[where] = dataclasses.replace(method, package=where)
     return _loaded[where]
 
 

@@ -80,10 +80,10 @@ class StrategyRegistry(Mapping):
         return {name: methods.get(name).strategy for name in methods.names(trained=True) if methods.get(name).strategy}
 
     def __getitem__(self, method: str) -> Strategy:
-        where = self._named().get(method)
-        if where is None:
+        if method not in self._named():
             raise KeyError(method)
-        return methods.resolve(where)
+        m = methods.get(method)
+        return m.part(m.strategy)
 
     def __iter__(self) -> Iterator[str]:
         return iter(sorted(self._named()))

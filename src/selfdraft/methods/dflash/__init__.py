@@ -3,11 +3,5 @@
 from selfdraft.methods import Method
 from selfdraft.methods.dflash.config import DFlashConfig
 
-METHOD = Method(
-    name="dflash",
-    config=DFlashConfig,
-    model="selfdraft.methods.dflash.model:build_dflash",
-    drafter="selfdraft.methods.dflash.drafter:DFlashDrafter",
-    strategy="selfdraft.methods.dflash.train:DFLASH",
-    export="selfdraft.methods.dflash.export:SPECULATORS",
-)
+METHOD = Method(name="dflash", config=DFlashConfig, model=".model:build_dflash", drafter=".drafter:DFlashDrafter",
+                strategy=".train:DFLASH", export=".export:SPECULATORS")

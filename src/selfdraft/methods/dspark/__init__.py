@@ -4,11 +4,6 @@ module subclasses DFlash's, DFlash's drafter serves it, and its strategy and exp
 from selfdraft.methods import Method
 from selfdraft.methods.dspark.config import DSparkConfig
 
-METHOD = Method(
-    name="dspark",
-    config=DSparkConfig,
-    model="selfdraft.methods.dspark.model:build_dspark",
-    drafter="selfdraft.methods.dflash.drafter:DFlashDrafter",  # its model's decode_blocks adds the heads
-    strategy="selfdraft.methods.dspark.train:DSPARK",
-    export="selfdraft.methods.dspark.export:SPECULATORS",
-)
+# DFlash's drafter serves DSpark: its model's decode_blocks adds the heads
+METHOD = Method(name="dspark", config=DSparkConfig, model=".model:build_dspark",
+                drafter="selfdraft.methods.dflash.drafter:DFlashDrafter", strategy=".train:DSPARK", export=".export:SPECULATORS")

@@ -3,11 +3,5 @@
 from selfdraft.methods import Method
 from selfdraft.methods.eagle3.config import Eagle3Config
 
-METHOD = Method(
-    name="eagle3",
-    config=Eagle3Config,
-    model="selfdraft.methods.eagle3.model:build_eagle3",
-    drafter="selfdraft.methods.eagle3.drafter:Eagle3Drafter",
-    strategy="selfdraft.methods.eagle3.train:EAGLE3",
-    export="selfdraft.methods.eagle3.export:SPECULATORS",
-)
+METHOD = Method(name="eagle3", config=Eagle3Config, model=".model:build_eagle3", drafter=".drafter:Eagle3Drafter",
+                strategy=".train:EAGLE3", export=".export:SPECULATORS")

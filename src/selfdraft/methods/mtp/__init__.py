@@ -3,11 +3,5 @@
 from selfdraft.methods import Method
 from selfdraft.methods.mtp.config import MTPConfig
 
-METHOD = Method(
-    name="mtp",
-    config=MTPConfig,
-    model="selfdraft.methods.mtp.model:build_mtp",
-    drafter="selfdraft.methods.mtp.drafter:MTPDrafter",
-    strategy="selfdraft.methods.mtp.train:MTP",
-    export="selfdraft.methods.mtp.export:SPECULATORS",
-)
+METHOD = Method(name="mtp", config=MTPConfig, model=".model:build_mtp", drafter=".drafter:MTPDrafter",
+                strategy=".train:MTP", export=".export:SPECULATORS")

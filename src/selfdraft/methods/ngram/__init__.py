@@ -2,4 +2,4 @@
 
 from selfdraft.methods import Method
 
-METHOD = Method(name="ngram", drafter="selfdraft.methods.ngram.drafter:NgramDrafter")
+METHOD = Method(name="ngram", drafter=".drafter:NgramDrafter")

@@ -2,4 +2,4 @@
 
 from selfdraft.methods import Method
 
-METHOD = Method(name="none", drafter="selfdraft.methods.none.drafter:NoDrafter")
+METHOD = Method(name="none", drafter=".drafter:NoDrafter")
