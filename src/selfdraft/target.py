@@ -93,12 +93,12 @@ class Target:
     format of the model's dtype, or 'int8' / 'int4'); 'auto' picks it when the architecture is
     supported and falls back to 'hf' with a one-line message otherwise. `gguf`: the GGUF the
     model was converted from, whose Q4 blocks an int4 load then uses exactly (kept in
-    `gguf_cache`, a safetensors file, for the next load). compile: torch.compile the native
-    decode/verify steps (native/compiled.py; refused on the HF backend)."""
+    `gguf_cache`, a safetensors file, for the next load). compile > 0: torch.compile the native
+    steps of 1..compile new tokens (γ + 1), up front (native/compiled.py; refused on the HF backend)."""
 
     def __init__(self, model: PreTrainedModel, tokenizer=None, name: str = "custom", backend: str = "hf",
                  weights: str = "auto", gguf: str | Path | None = None, gguf_cache: Path | None = None,
-                 compile: bool = False) -> None:
+                 compile: int = 0) -> None:
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.name = name
@@ -143,7 +143,7 @@ class Target:
     # ---------------------------------------------------------------- loading
     @classmethod
     def load(cls, spec: str | None = None, dtype: str | None = None, trust_remote_code: bool = False,
-             backend: str = "hf", weights: str = "auto", device: str = "cpu", compile: bool = False) -> "Target":
+             backend: str = "hf", weights: str = "auto", device: str = "cpu", compile: int = 0) -> "Target":
         """Load the embedded default (spec None or 'smollm2-135m-instruct'), an HF dir or a .gguf.
 
         dtype None: float32 on the native backend on CPU, bfloat16 otherwise (resolve_options).
@@ -182,7 +182,7 @@ class Target:
             print(f"note: {note}", file=sys.stderr)
         return target
 
-    def with_backend(self, backend: str, weights: str = "auto", compile: bool = False) -> "Target":
+    def with_backend(self, backend: str, weights: str = "auto", compile: int = 0) -> "Target":
         """The same loaded model behind another backend / weight format (shares the HF weights)."""
         return type(self)(self.model, self.tokenizer, self.name, backend, weights, self._gguf, self._gguf_cache, compile)
 

@@ -69,7 +69,7 @@ def bench_cmd(
                       command=shlex.join(["selfdraft", *sys.argv[1:]]))
     sets = [load_prompt_set(s.strip(), num_prompts) for s in datasets.split(",") if s.strip()]
     specs = [parse_drafter_spec(s) for s in drafters.split(",") if s.strip()]
-    tgt = load_target(target, dtype, backend, weights, device, compile)
+    tgt = load_target(target, dtype, backend, weights, device, compile, gamma)
     results = run_bench(tgt, specs, sets, cfg)
     paths = write_report(results, out)
     if as_json:

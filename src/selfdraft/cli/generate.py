@@ -88,7 +88,7 @@ def generate(
     check_gamma(gamma)
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, gamma=gamma)
-    tgt = load_target(target, dtype, backend, weights, device, compile)
+    tgt = load_target(target, dtype, backend, weights, device, compile, gamma)
     draft = load_drafter(drafter, tgt)
     sched = scheduler_for(scheduler, tgt, draft, gamma, log=note)
     ids = tgt.encode_prompt(text, chat=chat)

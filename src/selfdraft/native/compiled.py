@@ -6,8 +6,10 @@ Python: the cache bookkeeping (lengths, capacity), positions, rope tables and th
 graph sees only tensors. Shapes are kept static per block length T: the block attends to the
 cache's whole capacity (a power of two from 256) under a mask that hides every slot past a row's
 own length, and the capacity dimension is marked dynamic, so one graph serves every context and
-rollback / ragged rows change only input values, never the graph. Each T compiles once, lazily on
-first use (a one-line note on stderr says how long it took).
+rollback / ragged rows change only input values, never the graph. The block lengths the loop uses,
+T = 1..max_tokens (γ + 1), are compiled up front by `warm_up` (one note on stderr says how long it
+took); longer blocks (prefill) run the eager stack, and a shape seen later (a ragged batch of 2
+rows) compiles on first use with its own note.
 
 Weights are registered as buffers of one nn.Module so inductor's freezing folds them in as
 constants (its CPU GEMM templates and weight prepacking need them constant).
@@ -105,7 +107,7 @@ def refusal(model) -> str | None:
 class CompiledStep:
     """Compiled forwards of T = 1..max_tokens new tokens; other T (prefill) run eagerly."""
 
-    def __init__(self, model, mode: str | None = None, max_tokens: int = 16) -> None:
+    def __init__(self, model, max_tokens: int, mode: str | None = None) -> None:
         mode = mode or ("reduce-overhead" if model.device.type == "cuda" else "max-autotune")
         if mode not in MODES:
             raise ValueError(f"compile mode must be one of {MODES}, got {mode!r}")
@@ -116,8 +118,8 @@ class CompiledStep:
         self.mode = mode
         self.stack = _Stack(model)
         self.fn = torch.compile(self.stack, mode=None if mode == "default" else mode)
-        self.seen: set[tuple] = set()
-        self.compile_s: dict[int, float] = {}
+        self.seen: set[tuple] = set()  # (B, T) compiled
+        self.warming = False
 
     def __call__(self, x, cos, sin, mask, near, rows, slots, keys, values):
         key = (x.shape[0], x.shape[1])
@@ -134,6 +136,23 @@ class CompiledStep:
             out = self.fn(x, cos, sin, mask, near, rows, slots, keys, values)
         if key not in self.seen:
             self.seen.add(key)
-            self.compile_s[x.shape[1]] = dt = time.perf_counter() - t0
-            print(f"note: compiled native step for T={x.shape[1]} in {dt:.1f} s", file=sys.stderr)
+            if not self.warming:
+                print(f"note: compiled native step for {key[0]} x T={key[1]} in {time.perf_counter() - t0:.1f} s",
+                      file=sys.stderr)
         return out
+
+    @torch.inference_mode()
+    def warm_up(self, model) -> float:
+        """Compile T = 1..max_tokens for one row now (seconds)."""
+        t0 = time.perf_counter()
+        cache = model.new_cache()
+        self.warming = True
+        try:
+            for T in range(1, self.max_tokens + 1):
+                model.forward(torch.zeros(1, T, dtype=torch.long), cache)
+                cache.rollback(0)
+        finally:
+            self.warming = False
+        dt = time.perf_counter() - t0
+        print(f"note: compiled native step for T=1..{self.max_tokens} in {dt:.0f} s ({self.mode})", file=sys.stderr)
+        return dt

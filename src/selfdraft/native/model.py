@@ -78,7 +78,7 @@ class NativeModel:
     """The decoder stack + final norm + LM head; embeddings come from the HF model (shared)."""
 
     def __init__(self, hf_model, weights: str = "fp32", gguf: str | Path | None = None, int4_group: int = INT4_GROUP,
-                 gguf_cache: Path | None = None, compile: bool = False) -> None:
+                 gguf_cache: Path | None = None, compile: int = 0) -> None:
         reason = unsupported_reason(hf_model)
         if reason:
             raise ValueError(f"the native backend does not support {reason}")
@@ -123,10 +123,11 @@ class NativeModel:
         if self._fallbacks:
             self.notes.append(f"{self._fallbacks} weights stay dense (their shapes do not fit the int4 kernel)")
         self.compiled = None
-        if compile:  # torch.compile'd decode/verify steps (native/compiled.py)
+        if compile:  # torch.compile'd steps of 1..compile new tokens (native/compiled.py)
             from selfdraft.native.compiled import CompiledStep
 
-            self.compiled = CompiledStep(self)
+            self.compiled = CompiledStep(self, compile)
+            self.compiled.warm_up(self)
 
     # ---------------------------------------------------------------- building
     def _linear(self, ws: list[torch.Tensor], bs: list[torch.Tensor | None] | None, fmt: str,
