@@ -10,7 +10,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 from transformers import DynamicCache
+from typer.testing import CliRunner
 
+from selfdraft.cli import app
 from selfdraft.config import GenerationConfig
 from selfdraft.decode import generate
 from selfdraft.drafters import REGISTRY
@@ -18,7 +20,7 @@ from selfdraft.target import Target, TargetError
 from selfdraft.tree import tree_inputs
 from tests.test_native import assert_steps_close, build
 
-pytestmark = pytest.mark.slow  # torch.compile: ~10 s of compile per block length on a loaded CPU
+slow = pytest.mark.slow  # torch.compile: 10-40 s per block length on a tiny model, a loaded CPU
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +30,7 @@ def pair():
     return Target(model, backend="native"), Target(model, backend="native", compile=5)
 
 
+@slow
 def test_compiled_equals_eager_through_decode_verify_rollback(pair):
     eager, comp = pair
     assert comp.native.compiled is not None and comp.profile_key.endswith("-compiled")
@@ -47,6 +50,7 @@ def test_compiled_equals_eager_through_decode_verify_rollback(pair):
     assert counters["stats"]["unique_graphs"] == graphs  # no graph per context, capacity or rollback
 
 
+@slow
 def test_compiled_ragged_rows_and_tree_mask(pair):
     eager, comp = pair
     seq = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(3))
@@ -67,6 +71,7 @@ def test_compiled_ragged_rows_and_tree_mask(pair):
                        comp.forward(ids, c_c, (), t.position_ids, t.attention_mask))
 
 
+@slow
 def test_compiled_greedy_generation_equals_eager(pair):
     eager, comp = pair
     prompt = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(4)).tolist() * 2  # n-gram hits
@@ -76,6 +81,7 @@ def test_compiled_greedy_generation_equals_eager(pair):
         assert generate(comp, REGISTRY[name](), prompt, config=cfg).token_ids == ref, name
 
 
+@slow
 def test_compiled_sliding_window_beyond_the_window():
     model = build("mistral-window-6")
     eager, comp = Target(model, backend="native"), Target(model, backend="native", compile=3)
@@ -85,15 +91,21 @@ def test_compiled_sliding_window_beyond_the_window():
         assert_steps_close(eager.forward(ids[:, sl], c_e), comp.forward(ids[:, sl], c_c))
 
 
-def test_compile_refusals_and_the_eager_paths(pair):
+def test_compile_refusals(tmp_path):
     model = build("llama")
     with pytest.raises(TargetError, match="native backend"):
         Target(model, backend="hf", compile=5)
     with pytest.raises(TargetError, match="dense weights"):
         Target(model, backend="native", weights="int8", compile=5)
-    # the batched engine's DynamicCache is not compiled: it runs the eager stack, same result
+    model.save_pretrained(tmp_path / "t")
+    res = CliRunner().invoke(app, ["generate", "--target", str(tmp_path / "t"), "--backend", "hf", "--compile", "-p", "hi"])
+    assert res.exit_code == 2 and res.output.startswith("error: --compile compiles the native backend"), res.output
+
+
+@slow
+def test_the_batched_engines_dynamic_cache_stays_eager(pair):
     eager, comp = pair
     ids = torch.randint(0, 96, (2, 6), generator=torch.Generator().manual_seed(6))
-    d_e, d_c = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    d_e, d_c = DynamicCache(config=eager.model.config), DynamicCache(config=eager.model.config)
     assert_steps_close(eager.forward(ids, d_e), comp.forward(ids, d_c))
     assert_steps_close(eager.forward(ids[:, :1], d_e), comp.forward(ids[:, :1], d_c))

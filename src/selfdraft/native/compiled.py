@@ -23,26 +23,15 @@ import time
 import torch
 import torch.nn.functional as F
 
+from selfdraft.native.model import _rms_norm, _rotate
 from selfdraft.native.quant import DenseLinear
 
 MODES = ("default", "max-autotune", "reduce-overhead")
 
 
-def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return w * h.to(dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rot * sin
-
-
 class _Stack(torch.nn.Module):
-    """The decoder layers with every weight a buffer (dense weights only)."""
+    """NativeModel.forward's layer loop on a NativeCache, every weight a buffer (dense weights only);
+    tests/test_compile.py keeps the two equal."""
 
     def __init__(self, model) -> None:
         super().__init__()
@@ -125,6 +114,8 @@ class CompiledStep:
         key = (x.shape[0], x.shape[1])
         for t in keys + values:
             torch._dynamo.mark_dynamic(t, 2)
+            if self.mode == "reduce-overhead":  # CUDA graphs replay in place on the cache only at fixed addresses
+                torch._dynamo.mark_static_address(t)
         torch._dynamo.mark_dynamic(mask, 3)
         if near is not None:
             torch._dynamo.mark_dynamic(near, 3)
