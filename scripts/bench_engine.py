@@ -170,8 +170,9 @@ def main() -> None:
     drafters = {v: {"none": REGISTRY["none"]()} for v in targets}
     scheds = {v: {"none": None} for v in targets}
     if args.drafter:
-        for v, t in targets.items():
-            drafters[v]["spec"] = load_drafter(args.drafter, t)
+        for v, t in targets.items():  # loaded as in the CLI, outside inference mode (drafters track weight versions)
+            with torch.inference_mode(False):
+                drafters[v]["spec"] = load_drafter(args.drafter, t)
             scheds[v]["spec"] = scheduler_for("auto", t, drafters[v]["spec"], cfg.gamma, log=print)
     outputs: dict[tuple, list[int]] = {}
     all_equal = True

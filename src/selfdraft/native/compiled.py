@@ -23,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from selfdraft.native.model import _rms_norm, _rotate
+from selfdraft.native.ops import rms_norm, rotate
 from selfdraft.native.quant import DenseLinear
 
 MODES = ("default", "max-autotune", "reduce-overhead")
@@ -62,15 +62,15 @@ class _Stack(torch.nn.Module):
         nq, nkv, d = self.n_heads * self.d, self.n_kv * self.d, self.d
         feats = []
         for i in range(len(keys)):
-            h = _rms_norm(x, getattr(self, f"l{i}_input_norm"), self.eps)
+            h = rms_norm(x, getattr(self, f"l{i}_input_norm"), self.eps)
             q, k, v = self._lin(h, i, "qkv").split([nq, nkv, nkv], dim=-1)
             q = q.view(B, T, self.n_heads, d)
             k = k.view(B, T, self.n_kv, d)
             if self.has_qk_norm:
-                q = _rms_norm(q, getattr(self, f"l{i}_q_norm"), self.eps)
-                k = _rms_norm(k, getattr(self, f"l{i}_k_norm"), self.eps)
-            q = _rotate(q.transpose(1, 2), cos, sin)
-            k = _rotate(k.transpose(1, 2), cos, sin)
+                q = rms_norm(q, getattr(self, f"l{i}_q_norm"), self.eps)
+                k = rms_norm(k, getattr(self, f"l{i}_k_norm"), self.eps)
+            q = rotate(q.transpose(1, 2), cos, sin)
+            k = rotate(k.transpose(1, 2), cos, sin)
             v = v.view(B, T, self.n_kv, d)
             keys[i][rows, :, slots] = k.transpose(1, 2)
             values[i][rows, :, slots] = v
@@ -78,11 +78,11 @@ class _Stack(torch.nn.Module):
             a = F.scaled_dot_product_attention(q, keys[i], values[i], attn_mask=m, scale=self.scale,
                                                enable_gqa=self.n_kv != self.n_heads)
             x = x + self._lin(a.transpose(1, 2).reshape(B, T, nq), i, "o")
-            h = _rms_norm(x, getattr(self, f"l{i}_post_norm"), self.eps)
+            h = rms_norm(x, getattr(self, f"l{i}_post_norm"), self.eps)
             g, u = self._lin(h, i, "gate_up").chunk(2, dim=-1)
             x = x + self._lin(F.silu(g) * u, i, "down")
             feats.append(x)
-        return _rms_norm(x, self.norm, self.eps), feats
+        return rms_norm(x, self.norm, self.eps), feats
 
 
 def refusal(model) -> str | None:

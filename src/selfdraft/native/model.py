@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from selfdraft.native.cache import NativeCache
+from selfdraft.native.ops import rms_norm, rotate
 from selfdraft.native.quant import INT4_GROUP, DenseLinear, Int4Linear, Int4Weights, Int8Linear, Linear, int4_supported
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -57,21 +58,6 @@ class _Layer:
     gate_up: Linear  # H -> 2 I
     down: Linear  # I -> H
     window: int | None  # sliding-window size of this layer (None: full attention)
-
-
-def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's RMSNorm, same operation order (float32 statistics, weight applied in the input dtype)."""
-    dtype = x.dtype
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return w * h.to(dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF's rotate-half RoPE. x: [B, n, T, d]; cos, sin: [B, 1, T, d]."""
-    half = x.shape[-1] // 2
-    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rot * sin
 
 
 class NativeModel:
@@ -224,14 +210,14 @@ class NativeModel:
         feats: dict[int, torch.Tensor] = {}
         nq, nkv, d = self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.head_dim
         for i, L in enumerate(self.layers):
-            h = _rms_norm(x, L.input_norm, self.eps)
+            h = rms_norm(x, L.input_norm, self.eps)
             q, k, v = L.qkv(h).split([nq, nkv, nkv], dim=-1)
             q = q.view(B, T, self.n_heads, d)
             k = k.view(B, T, self.n_kv, d)
             if L.q_norm is not None:
-                q, k = _rms_norm(q, L.q_norm, self.eps), _rms_norm(k, L.k_norm, self.eps)
-            q = _rotate(q.transpose(1, 2), cos, sin)  # [B, n_q, T, d]
-            k = _rotate(k.transpose(1, 2), cos, sin)  # [B, n_kv, T, d]
+                q, k = rms_norm(q, L.q_norm, self.eps), rms_norm(k, L.k_norm, self.eps)
+            q = rotate(q.transpose(1, 2), cos, sin)  # [B, n_q, T, d]
+            k = rotate(k.transpose(1, 2), cos, sin)  # [B, n_kv, T, d]
             v = v.view(B, T, self.n_kv, d).transpose(1, 2)
             if native:
                 K, V = cache.keys[i], cache.values[i]  # [B, n_kv, cap, d]
@@ -249,14 +235,14 @@ class NativeModel:
             m = mask if L.window is None else self._window(mask, past, T, Lk, L.window, attention_mask)
             a = F.scaled_dot_product_attention(q, K, V, attn_mask=m, scale=self.scale, enable_gqa=self.n_kv != self.n_heads)
             x = x + L.o(a.transpose(1, 2).reshape(B, T, nq))
-            h = _rms_norm(x, L.post_norm, self.eps)
+            h = rms_norm(x, L.post_norm, self.eps)
             g, u = L.gate_up(h).chunk(2, dim=-1)
             x = x + L.down(F.silu(g) * u)
             if i in feature_layers:
                 feats[i] = x
         if native:
             cache.lengths = [n + T for n in cache.lengths]
-        return NativeStep(last_hidden=_rms_norm(x, self.norm, self.eps), features=[feats[i] for i in feature_layers])
+        return NativeStep(last_hidden=rms_norm(x, self.norm, self.eps), features=[feats[i] for i in feature_layers])
 
     def _rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """position_ids [B, T] -> cos, sin [B, 1, T, d] (HF's rope tables, scaled)."""
