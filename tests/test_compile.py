@@ -109,3 +109,17 @@ def test_the_batched_engines_dynamic_cache_stays_eager(pair):
     d_e, d_c = DynamicCache(config=eager.model.config), DynamicCache(config=eager.model.config)
     assert_steps_close(eager.forward(ids, d_e), comp.forward(ids, d_c))
     assert_steps_close(eager.forward(ids[:, :1], d_e), comp.forward(ids[:, :1], d_c))
+
+
+@slow
+def test_two_compiled_models_keep_their_own_weights():
+    """The weights are frozen into the graph: a second model of the same shapes must not reuse the first's."""
+    models = [build("llama", seed=s) for s in (0, 1)]
+    comps = [Target(m, backend="native", compile=1) for m in models]
+    ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(7))
+    for m, comp in zip(models, comps):
+        eager = Target(m, backend="native")
+        c_e, c_c = eager.new_cache(), comp.new_cache()
+        eager.forward(ids[:, :8], c_e)
+        comp.forward(ids[:, :8], c_c)  # T = 8: eager in both
+        assert_steps_close(eager.forward(ids[:, 8:], c_e), comp.forward(ids[:, 8:], c_c))
