@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from selfdraft.cli import app
 from selfdraft.config import GenerationConfig
 from selfdraft.decode import generate
-from selfdraft.drafters import REGISTRY
+from selfdraft import methods
 from selfdraft.target import Target, TargetError
 from selfdraft.tree import tree_inputs
 from tests.test_native import assert_steps_close, build
@@ -77,8 +77,8 @@ def test_compiled_greedy_generation_equals_eager(pair):
     prompt = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(4)).tolist() * 2  # n-gram hits
     cfg = GenerationConfig(max_new_tokens=30, gamma=4)
     for name in ("none", "ngram"):
-        ref = generate(eager, REGISTRY[name](), prompt, config=cfg).token_ids
-        assert generate(comp, REGISTRY[name](), prompt, config=cfg).token_ids == ref, name
+        ref = generate(eager, methods.get(name).new(eager), prompt, config=cfg).token_ids
+        assert generate(comp, methods.get(name).new(comp), prompt, config=cfg).token_ids == ref, name
 
 
 @slow
