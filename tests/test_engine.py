@@ -170,7 +170,7 @@ def test_compaction_keeps_each_rows_valid_slots_in_order():
     for P in (3, 5):
         row = target.new_cache()
         target.forward(torch.arange(P)[None], row)
-        kv.add_row(row)
+        kv.add_rows(row, torch.ones(1, P, dtype=torch.bool), [0])
     keys = kv.cache.layers[0].keys.clone()  # [2, n_kv, 5, d]
     kv.valid[0, 1] = kv.valid[1, 0] = False
     kv.compact(slack=0)
