@@ -293,3 +293,96 @@ def test_penalties_and_logit_bias_greedy_equal_a_slow_reference(target):
         for kind in ("none", "ngram", "dspark"):
             assert generate(target, makers(target)[kind](), p, params, cfg).token_ids == expected[i], kind
         assert engine.results[ids[i]].token_ids == expected[i]
+
+
+# ---------------------------------------------------------------- batched, chunked prefill
+RAGGED = [[(7 * i + 3) % 64 for i in range(n)] for n in (23, 3, 41, 1, 17)]  # longer and shorter than CHUNK
+CHUNK = 8
+
+
+def _count_forwards(target, monkeypatch) -> list[tuple[int, int]]:
+    """Record the input shape [B, T] of every target forward."""
+    shapes: list[tuple[int, int]] = []
+    real = Target.forward
+    monkeypatch.setattr(Target, "forward", lambda self, ids, *a, **k: shapes.append(tuple(ids.shape)) or real(self, ids, *a, **k))
+    return shapes
+
+
+@pytest.mark.parametrize("backend", ["hf", "native"])
+def test_batched_chunked_prefill_equals_single_request_prefill(target, backend, monkeypatch):
+    """Ragged prompts in one batched prefill, chunk by chunk over the rows still having tokens:
+    each row's first-token logits, feature layers, last hidden states and cached keys/values equal
+    its own single-request prefill's (float32, max |Δ| <= 1e-5)."""
+    from selfdraft.engine import batched_prefill
+
+    tgt = target.with_backend(backend)
+    shapes = _count_forwards(tgt, monkeypatch)
+    pre = batched_prefill(tgt, RAGGED, FEATS, CHUNK)
+    # chunks of 8 columns over the 41-token longest prompt, each over the rows with tokens in it
+    assert shapes == [(5, 8), (3, 8), (3, 8), (1, 8), (1, 8), (1, 1)]
+    for r, p in enumerate(RAGGED):
+        cache = tgt.new_cache(dynamic=True)
+        ref = tgt.forward(torch.tensor([p]), cache, FEATS, last_only=True)
+        got = pre.row(r, FEATS)
+        assert got.logits.shape == ref.logits.shape == (1, 1, 64)
+        assert (got.logits - ref.logits).abs().max() <= 1e-5
+        assert got.features.shape == ref.features.shape and (got.features - ref.features).abs().max() <= 1e-5
+        assert (got.last_hidden - ref.last_hidden).abs().max() <= 1e-5
+        assert pre.row(r, (2,)).features.shape == (1, len(p), 1, 32)  # its own layers only
+        assert torch.equal(pre.row(r, (2,)).features, got.features[:, :, 1:])
+        assert pre.valid[r].sum() == len(p) and pre.valid[r, : len(p)].all()
+        for layer, own in zip(pre.cache.layers, cache.layers):
+            assert (layer.keys[r, :, : len(p)] - own.keys[0]).abs().max() <= 1e-5
+            assert (layer.values[r, :, : len(p)] - own.values[0]).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("backend", ["hf", "native"])
+def test_batched_prefill_engine_equals_generate_for_every_drafter(target, backend, monkeypatch):
+    """Ragged prompts joining together, prefilled in one batched forward per chunk (chunk smaller
+    than the prompts): every request's output equals its single-request `generate`, for every
+    drafter kind (chains, trees, feature layers or none), alone per kind and all kinds in one batch."""
+    tgt = target.with_backend(backend)
+    cfg = GenerationConfig(max_new_tokens=12, gamma=4)
+    kinds = every_drafter(tgt)
+    expected = {(k, i): generate(tgt, make(), p, SamplingParams(), cfg).token_ids
+                for k, make in kinds.items() for i, p in enumerate(RAGGED)}
+    shapes = _count_forwards(tgt, monkeypatch)
+    batches = [[(k, i) for i in range(len(RAGGED))] for k in kinds]
+    batches.append([(k, i % len(RAGGED)) for i, k in enumerate(kinds)])  # every kind in one batch
+    for batch in batches:
+        engine = Engine(tgt, prefill_chunk=CHUNK)
+        ids = {engine.add_request(RAGGED[i], kinds[k](), config=cfg): (k, i) for k, i in batch}
+        shapes.clear()
+        first = engine.step()  # the admission step: first tokens only, one forward per chunk
+        assert [len(o.new_tokens) for o in first] == [1] * len(batch) and all(o.round is None for o in first)
+        longest = max(len(RAGGED[i]) for _, i in batch)
+        assert len(shapes) == -(-longest // CHUNK) and shapes[0][0] == len(batch)
+        results = engine.run()
+        for rid, key in ids.items():
+            assert results[rid].token_ids == expected[key], key
+
+
+class BadLayers(Drafter):
+    """A drafter asking for a feature layer the target does not have: the target forward raises."""
+
+    name = "bad-layers"
+    feature_layers = (99,)
+
+
+def test_a_failing_batched_prefill_falls_back_to_one_prefill_per_request(target):
+    """A request that makes the batched prefill forward raise fails alone: the others are prefilled
+    one by one and finish with their single-request output."""
+    cfg = GenerationConfig(max_new_tokens=10, gamma=4)
+    make = makers(target)["dspark"]
+    engine = Engine(target, prefill_chunk=CHUNK)
+    good = {engine.add_request(RAGGED[0], make(), config=cfg): 0, engine.add_request(RAGGED[2], make(), config=cfg): 2}
+    bad = engine.add_request(RAGGED[1], BadLayers(), config=cfg)
+    good[engine.add_request(RAGGED[4], REGISTRY["ngram"](target), config=cfg)] = 4
+    out = engine.step()
+    assert [o.request_id for o in out if o.finish_reason == "error"] == [bad]
+    assert "feature layers" in str(next(o.error for o in out if o.request_id == bad))
+    assert len(engine.active) == 3
+    results = engine.run()
+    for rid, i in good.items():
+        kind = "ngram" if i == 4 else "dspark"
+        assert results[rid].token_ids == generate(target, makers(target)[kind](), RAGGED[i], SamplingParams(), cfg).token_ids
