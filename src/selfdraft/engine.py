@@ -320,14 +320,16 @@ class Prefill:
 
 
 def batched_prefill(target: Target, prompts: list[list[int]], layers: tuple[int, ...], chunk: int) -> Prefill:
-    """Prefill N prompts together: right-padded to [N, L], explicit positions and a 2D mask of the
-    real tokens, so the cache rows join a PaddedCache as they are. Chunk by chunk of `chunk` columns
-    (bounding a forward's activations and mask, [N, chunk, ≤ L]); a chunk runs over the rows that
-    still have prompt tokens in it. The LM head runs at each prompt's last token only."""
+    """Prefill N prompts together, right-padded to [N, L]: slot = position, and under causal
+    attention a prompt token never sees a pad (pads come after it), so the forward needs neither
+    positions nor a padding mask; `valid` hides the pad slots from later rounds, so the cache rows
+    join a PaddedCache as they are. Chunk by chunk of `chunk` columns (bounding a forward's
+    activations and mask, [N, chunk, ≤ L]); a chunk runs over the rows that still have prompt
+    tokens in it. The LM head runs at each prompt's last token only."""
     N = len(prompts)
     lengths = torch.tensor([len(p) for p in prompts])  # [N]
     L = int(lengths.max())
-    ids = torch.zeros(N, L, dtype=torch.long)  # [N, L]; pads (token 0) are masked keys, their outputs dropped
+    ids = torch.zeros(N, L, dtype=torch.long)  # [N, L]; pads (token 0): invalid slots, their outputs dropped
     for r, p in enumerate(prompts):
         ids[r, : len(p)] = torch.tensor(p)
     valid = torch.arange(L)[None] < lengths[:, None]  # [N, L]
@@ -340,8 +342,7 @@ def batched_prefill(target: Target, prompts: list[list[int]], layers: tuple[int,
         rows = (lengths > c0).nonzero().squeeze(1)  # [k] rows with prompt tokens in [c0, c1)
         full = _narrow_rows(cache, rows) if c0 and rows.numel() < N else None
         last = (lengths[rows] - 1 - c0).clamp(max=c1 - c0 - 1)  # [k] each row's last token in the chunk (or its end)
-        step = target.forward(ids[rows, c0:c1], cache, layers, position_ids=torch.arange(c0, c1).expand(len(rows), -1),
-                              attention_mask=valid[rows, :c1].long(), logits_at=last)
+        step = target.forward(ids[rows, c0:c1], cache, layers, logits_at=last)
         if full is not None:
             _widen_rows(cache, full, rows)
         for j, r in enumerate(rows.tolist()):
