@@ -134,17 +134,22 @@ def test_calibration_rounds_are_decoding_rounds(target):
 
 
 def test_generate_engine_and_calibration_commit_through_speculation(target, monkeypatch):
-    """The three callers hand every round to `Speculation.commit` (none keeps its own copy of it)."""
+    """The three callers hand every round to `Speculation.commit` and every first token to
+    `Speculation.start` (none keeps its own copy of them)."""
     calls: list[int] = []
-    real = Speculation.commit
+    starts: list[int] = []
+    real, real_start = Speculation.commit, Speculation.start
     monkeypatch.setattr(Speculation, "commit", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    monkeypatch.setattr(Speculation, "start", lambda self, *a, **k: starts.append(1) or real_start(self, *a, **k))
     make, cfg = makers(target)["dspark"], GenerationConfig(max_new_tokens=12, gamma=4)
     assert len(generate(target, make(), PROMPTS[0], SamplingParams(), cfg).rounds) == len(calls) > 0
+    assert len(starts) == 1
     calls.clear()
     engine = Engine(target)
     ids = [engine.add_request(p, make(), config=cfg) for p in PROMPTS[:2]]
     results = engine.run()
     assert len(calls) == sum(len(results[i].rounds) for i in ids) > 0
+    assert len(starts) == 3
     calls.clear()
     assert collect_rounds(target, make(), [PROMPTS[0]], SamplingParams(), max_new_tokens=12).z.shape[0] == len(calls) > 0
 
