@@ -12,7 +12,7 @@ from selfdraft.config import DrafterConfig, GenerationConfig, SamplingParams
 from selfdraft.decode import Speculation, generate
 from selfdraft.drafters import REGISTRY
 from selfdraft.drafters.base import Drafter, Proposal, propose_all
-from selfdraft.engine import Engine, PaddedCache, engine_throughput
+from selfdraft.engine import Engine, PaddedCache, engine_throughput, pad_group
 from selfdraft.scheduler import CostTable, Scheduler
 from selfdraft.target import Target
 from selfdraft.training.calibrate import collect_rounds
@@ -155,7 +155,7 @@ def test_generate_engine_and_calibration_commit_through_speculation(target, monk
 
 
 def test_cancel_and_max_concurrency(target):
-    engine = Engine(target, max_concurrency=2)
+    engine = Engine(target, max_concurrency=2, prefill_pad_slack=float("inf"))  # a and b join in one prefill
     a = engine.add_request(PROMPTS[0], REGISTRY["ngram"](target), config=GenerationConfig(max_new_tokens=40))
     b = engine.add_request(PROMPTS[1], REGISTRY["ngram"](target), config=GenerationConfig(max_new_tokens=10))
     c = engine.add_request(PROMPTS[2], REGISTRY["ngram"](target), config=GenerationConfig(max_new_tokens=10))
@@ -345,7 +345,8 @@ def test_batched_chunked_prefill_equals_single_request_prefill(target, backend, 
 def test_batched_prefill_engine_equals_generate_for_every_drafter(target, backend, monkeypatch):
     """Ragged prompts joining together, prefilled in one batched forward per chunk (chunk smaller
     than the prompts): every request's output equals its single-request `generate`, for every
-    drafter kind (chains, trees, feature layers or none), alone per kind and all kinds in one batch."""
+    drafter kind (chains, trees, feature layers or none), alone per kind and all kinds in one batch
+    (any padding allowed), and with the default padding slack (the prompts join in length groups)."""
     tgt = target.with_backend(backend)
     cfg = GenerationConfig(max_new_tokens=12, gamma=4)
     kinds = every_drafter(tgt)
@@ -355,7 +356,7 @@ def test_batched_prefill_engine_equals_generate_for_every_drafter(target, backen
     batches = [[(k, i) for i in range(len(RAGGED))] for k in kinds]
     batches.append([(k, i % len(RAGGED)) for i, k in enumerate(kinds)])  # every kind in one batch
     for batch in batches:
-        engine = Engine(tgt, prefill_chunk=CHUNK)
+        engine = Engine(tgt, prefill_chunk=CHUNK, prefill_pad_slack=float("inf"))
         ids = {engine.add_request(RAGGED[i], kinds[k](), config=cfg): (k, i) for k, i in batch}
         shapes.clear()
         first = engine.step()  # the admission step: first tokens only, one forward per chunk
@@ -365,6 +366,19 @@ def test_batched_prefill_engine_equals_generate_for_every_drafter(target, backen
         results = engine.run()
         for rid, key in ids.items():
             assert results[rid].token_ids == expected[key], key
+    engine = Engine(tgt, prefill_chunk=CHUNK)
+    ids = {engine.add_request(RAGGED[i], kinds[k](), config=cfg): (k, i) for k, i in batches[-1]}
+    results = engine.run()
+    for rid, key in ids.items():
+        assert results[rid].token_ids == expected[key], key
+
+
+def test_pad_group_takes_the_shortest_prompts_within_the_padding_slack():
+    lengths = [170, 52, 87, 53, 105, 60, 177, 70, 74, 78, 83]  # arrival order
+    assert sorted(lengths[i] for i in pad_group(lengths, 0.25)) == [52, 53, 60, 70, 74, 78, 83, 87]  # 8 x 87 <= 1.25 x 557
+    assert pad_group(lengths, 0.0) == [1]  # no padding: one length at a time
+    assert pad_group([5, 5, 9, 5], 0.0) == [0, 1, 3]
+    assert sorted(pad_group(lengths, float("inf"))) == list(range(len(lengths)))
 
 
 class BadLayers(Drafter):
@@ -379,7 +393,7 @@ def test_a_failing_batched_prefill_falls_back_to_one_prefill_per_request(target)
     one by one and finish with their single-request output."""
     cfg = GenerationConfig(max_new_tokens=10, gamma=4)
     make = makers(target)["dspark"]
-    engine = Engine(target, prefill_chunk=CHUNK)
+    engine = Engine(target, prefill_chunk=CHUNK, prefill_pad_slack=float("inf"))  # one batch of 4
     good = {engine.add_request(RAGGED[0], make(), config=cfg): 0, engine.add_request(RAGGED[2], make(), config=cfg): 2}
     bad = engine.add_request(RAGGED[1], BadLayers(), config=cfg)
     good[engine.add_request(RAGGED[4], REGISTRY["ngram"](target), config=cfg)] = 4

@@ -37,6 +37,11 @@ from selfdraft.drafters.base import Drafter, propose_all
 from selfdraft.scheduler import Scheduler
 from selfdraft.target import Target, TargetStep
 
+# Pad tokens a batched prefill may add, as a fraction of its real prompt tokens. On a compute-bound
+# CPU a pad costs as much as a real token: 16 load-test prompts (52-177 tokens, 1,740 in all) in one
+# right-padded batch (2,832 tokens) took 18.3 s vs 12.2 s one by one (embedded target, fp32, 1 thread).
+PREFILL_PAD_SLACK = 0.25
+
 @dataclass
 class StepOutput:
     request_id: int
@@ -119,7 +124,7 @@ class Engine:
 
     def __init__(
         self, target: Target, scheduler: Scheduler | None = None, max_concurrency: int = 64, compact_slack: int = 64,
-        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK, prefill_pad_slack: float = PREFILL_PAD_SLACK,
     ) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
@@ -128,6 +133,7 @@ class Engine:
         self.max_concurrency = max_concurrency
         self.compact_slack = compact_slack
         self.prefill_chunk = prefill_chunk
+        self.prefill_pad_slack = prefill_pad_slack
         self.kv = PaddedCache(target)
         self.active: list[Speculation] = []  # row r of self.kv belongs to self.active[r]
         self.pending: list[Speculation] = []
@@ -251,10 +257,15 @@ class Engine:
         return self.target.forward(ids, self.kv.cache, layers, position_ids=pos, attention_mask=mask), layers
 
     def _admit(self) -> list[StepOutput]:
-        """Prefill the pending requests that fit, together; emit their first tokens."""
+        """Prefill pending requests together and emit their first tokens: of the first ones that fit
+        (arrival order), the shortest prompts whose right padding stays within the slack (`pad_group`);
+        the others wait for the next step, so the shortest get their first tokens soonest."""
         room = self.max_concurrency - len(self.active)
-        batch, self.pending = self.pending[:room], self.pending[room:]
-        return self._prefill(batch)
+        batch = pad_group([len(s.prompt) for s in self.pending[:room]], self.prefill_pad_slack)
+        chosen = set(batch)
+        group = [self.pending[i] for i in batch]
+        self.pending = [s for i, s in enumerate(self.pending) if i not in chosen]
+        return self._prefill(group)
 
     def _prefill(self, batch: list[Speculation]) -> list[StepOutput]:
         """One batched prefill for `batch`, then each request's first token (`Speculation.start`).
@@ -298,6 +309,17 @@ class Engine:
         while self.has_unfinished:
             self.step()
         return self.results
+
+
+def pad_group(lengths: list[int], slack: float) -> list[int]:
+    """Indices of the prompts to prefill together: the shortest, then the next shortest while the
+    padded batch (k rows of the longest length) holds at most (1 + slack) x its real tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    k, real = 1, lengths[order[0]]
+    while k < len(order) and (k + 1) * lengths[order[k]] <= (1 + slack) * (real + lengths[order[k]]):
+        real += lengths[order[k]]
+        k += 1
+    return order[:k]
 
 
 @dataclass
