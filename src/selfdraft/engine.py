@@ -5,9 +5,10 @@ and torch.Generator): the same round as `decode.generate`, with the forward batc
 active request drafts (a chain or a tree), the `Scheduler` picks ℓ_r, all requests' blocks
 [anchor, drafts] go through one target forward, and each request verifies, commits and observes
 its own rows with `Speculation.commit`, so its output does not depend on the batch. Requests
-join (`add_request`) and leave (finish or `cancel`) between steps: continuous batching. The
-requests that join at a step are prefilled together (`batched_prefill`: one forward per chunk of
-`prefill_chunk` prompt tokens) and that step returns their first tokens without a round.
+join (`add_request`) and leave (finish or `cancel`) between steps: continuous batching. Joining
+requests are prefilled together (`batched_prefill`: one forward per chunk of `prefill_chunk`
+prompt tokens), in groups of similar length, shortest first (`pad_group`); a step that admits a
+group returns its first tokens without a round (docs/engine.md#batched-prefill-serving).
 
 Ragged lengths are handled by padding (`PaddedCache`), not packing. Measured on the embedded target
 (bf16, 2 shared CPU cores, KV 300 per request, ℓ_r uniform in 0..7, one verification forward):
@@ -41,6 +42,7 @@ from selfdraft.target import Target, TargetStep
 # CPU a pad costs as much as a real token: 16 load-test prompts (52-177 tokens, 1,740 in all) in one
 # right-padded batch (2,832 tokens) took 18.3 s vs 12.2 s one by one (embedded target, fp32, 1 thread).
 PREFILL_PAD_SLACK = 0.25
+
 
 @dataclass
 class StepOutput:
