@@ -22,10 +22,10 @@ import torch
 
 from selfdraft.config import GenerationConfig
 from selfdraft.decode import generate
-from selfdraft.drafters import REGISTRY
+from selfdraft.methods.none.drafter import NoDrafter
 from selfdraft.target import Target
 
-VARIANTS = ("hf-fp32", "hf-bf16", "native-fp32", "native-bf16", "native-int8", "native-int4")
+VARIANTS = ("hf-fp32", "hf-bf16", "native-fp32", "native-fp16", "native-bf16", "native-int8", "native-int4")
 
 
 def sync(device: torch.device) -> None:
@@ -153,7 +153,7 @@ def main() -> None:
     tps: dict[str, list[float]] = {}
     for rep in range(1, max(1, args.repeats // 2) + 1):  # the forward rounds above warmed every variant up
         for v, t in targets.items():
-            res = generate(t, REGISTRY["none"](), prompt, config=cfg)
+            res = generate(t, NoDrafter(), prompt, config=cfg)
             if rep:
                 tps.setdefault(v, []).append(len(res.token_ids) / res.elapsed_s)
             if t.backend == "hf":

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from selfdraft.config import DrafterConfig, TrainConfig
+from selfdraft.config import TrainConfig
+from selfdraft.methods.dspark.config import DSparkConfig
 from selfdraft.target import Target
 from selfdraft.training.trainer import train
 
@@ -47,7 +48,7 @@ SETTINGS = [
 def run(setting: Setting, target: Target, args, out: Path) -> float:
     """Sequence tokens/s of `args.steps` optimizer steps after `args.warmup` untimed ones."""
     torch.set_num_threads(setting.threads)
-    dcfg = DrafterConfig(method="dspark", feature_layers=(1, 8, 14, 20, 27), loss_vocab_size=setting.loss_vocab_size)
+    dcfg = DSparkConfig(feature_layers=(1, 8, 14, 20, 27), loss_vocab_size=setting.loss_vocab_size)
     # equal work per step whatever the batch: the token count decides tokens/s
     tcfg = TrainConfig(data=args.data, features=args.features, steps=args.warmup + args.steps, batch_size=setting.batch_size,
                        bf16=setting.bf16, val_every=0, val_batches=0, save_every=0, warmup_steps=1, max_seq_len=512)

@@ -17,7 +17,7 @@ $PY - <<'EOF' 2>&1 | tee "$OUT/tiny.txt"
 import torch
 from selfdraft.config import GenerationConfig
 from selfdraft.decode import generate
-from selfdraft.drafters import REGISTRY
+from selfdraft.methods.none.drafter import NoDrafter
 from selfdraft.target import Target
 from tests.test_native import ARCHS, _dequantized_hf, build
 
@@ -30,7 +30,7 @@ for arch in ARCHS:
                for s in (slice(0, 12), slice(12, 13), slice(13, 20)))
     prompt = ids[0, :9].tolist()
     ref = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=24, min_new_tokens=24, do_sample=False)[0, 9:].tolist()
-    same = generate(nat, REGISTRY["none"](), prompt, config=GenerationConfig(max_new_tokens=24)).token_ids == ref
+    same = generate(nat, NoDrafter(), prompt, config=GenerationConfig(max_new_tokens=24)).token_ids == ref
     print(f"{arch:>20}: fp32 logits max|d| {diff:.2e} (<= 1e-4: {diff <= 1e-4}), greedy equal {same}")
 for weights in ("int8", "int4"):
     model = build("llama").to("cuda", torch.bfloat16)

@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from selfdraft.checkpoint import load_checkpoint, save_checkpoint
-from selfdraft.config import DrafterConfig, SamplingParams
+from selfdraft.config import SamplingParams
+from selfdraft.methods.dspark.config import DSparkConfig
 from selfdraft.target import Target
 from selfdraft.training.calibrate import (
     HeldOutRounds,
@@ -53,7 +54,7 @@ def test_sts_fixes_an_overconfident_head():
 def test_calibrate_checkpoint_end_to_end(tmp_path):
     target = Target(tiny_llama(vocab=48, hidden=32, layers=4, seed=0, peaked=3.0))
     torch.manual_seed(2)
-    cfg = DrafterConfig(method="dspark", feature_layers=(1, 2), gamma=3, markov_rank=8)
+    cfg = DSparkConfig(feature_layers=(1, 2), gamma=3, markov_rank=8)
     model = STRATEGIES["dspark"].build(cfg, target)
     with torch.no_grad():
         model.confidence.weight.mul_(20.0)  # a sharp, overconfident head

@@ -15,9 +15,9 @@ from selfdraft.loader import load_drafter
 from selfdraft.target import Target
 from selfdraft.training.strategy import STRATEGIES
 from tests.conftest import tiny_llama
-from tests.toy_training import TOY, single_thread, toy_method  # noqa: F401  (fixtures)
+from tests.toy_training import TOY, ToyConfig, single_thread, toy_method  # noqa: F401  (fixtures)
 
-CFG = DrafterConfig(method=TOY, feature_layers=(1, 2))
+CFG = ToyConfig(feature_layers=(1, 2))
 
 
 def toy_model(target: Target, seed: int = 0) -> nn.Module:

@@ -10,9 +10,12 @@ import torch
 from scipy.stats import chisquare
 
 import selfdraft.decode as decode_mod
+from selfdraft import methods
 from selfdraft.config import GenerationConfig, SamplingParams
 from selfdraft.decode import generate
-from selfdraft.drafters import REGISTRY, Drafter, Proposal
+from selfdraft.drafters import Drafter, Proposal
+from selfdraft.methods.ngram.drafter import NgramDrafter
+from selfdraft.methods.none.drafter import NoDrafter
 from selfdraft.sampling import probs_from_logits, process_logits, sample
 from selfdraft.target import Target
 from tests.conftest import tiny_llama
@@ -42,7 +45,7 @@ class ModelDrafter(Drafter):
 
 
 def _drafters(target: Target) -> dict[str, Drafter]:
-    d = {name: factory(target) for name, factory in REGISTRY.items()}
+    d = {name: methods.get(name).new(target) for name in methods.names(trained=False)}
     d["tiny-model"] = ModelDrafter(tiny_llama(vocab=target.vocab_size, seed=7))
     return d
 
@@ -58,13 +61,13 @@ def test_greedy_equals_plain_and_hf_generate(tiny_target, gamma):
         assert res.token_ids == expected, name
         assert sum(res.accepted_lengths) == n - 1  # every token but the prefill one came from a round
     # the repetitive output lets n-gram drafting accept something: the test exercises acceptance
-    ng = generate(tiny_target, REGISTRY["ngram"](tiny_target), prompt, config=GenerationConfig(max_new_tokens=n, gamma=gamma))
+    ng = generate(tiny_target, NgramDrafter(tiny_target), prompt, config=GenerationConfig(max_new_tokens=n, gamma=gamma))
     assert ng.tau > 1.0
 
 
 def test_eos_and_max_tokens_are_respected(tiny_target):
     prompt = [1, 2, 3]
-    plain = generate(tiny_target, REGISTRY["none"](), prompt, config=GenerationConfig(max_new_tokens=12))
+    plain = generate(tiny_target, NoDrafter(), prompt, config=GenerationConfig(max_new_tokens=12))
     eos = plain.token_ids[5]
     tiny_target.eos_ids = {eos}
     for drafter in _drafters(tiny_target).values():
@@ -142,6 +145,6 @@ def test_chi_square_catches_a_broken_verifier(small_vocab_target, monkeypatch):
 
 def test_seeded_sampling_is_reproducible(tiny_target):
     cfg = GenerationConfig(max_new_tokens=20, gamma=3)
-    runs = [generate(tiny_target, REGISTRY["ngram"](), [4, 5, 6], SamplingParams(temperature=1.0, seed=11), cfg).token_ids
+    runs = [generate(tiny_target, NgramDrafter(), [4, 5, 6], SamplingParams(temperature=1.0, seed=11), cfg).token_ids
             for _ in range(2)]
     assert runs[0] == runs[1]

@@ -9,13 +9,14 @@ import pytest
 import torch
 from tests.conftest import tiny_llama
 
-from selfdraft.config import DrafterConfig, GenerationConfig, SamplingParams
+from selfdraft import methods
+from selfdraft.config import GenerationConfig, SamplingParams
 from selfdraft.decode import generate
-from selfdraft.drafters import REGISTRY
 from selfdraft.drafters.blocks import block_attention_mask, block_positions
+from selfdraft.methods.dflash.train import teacher_forced_blocks
+from selfdraft.methods.none.drafter import NoDrafter
 from selfdraft.target import Target, TargetStep, lm_logits
 from selfdraft.training.masks import sample_anchors
-from selfdraft.training.strategies.dflash import teacher_forced_blocks
 from selfdraft.training.objectives import confidence_labels, l1_distance, position_weights
 from selfdraft.training.strategy import STRATEGIES, Batch
 
@@ -30,9 +31,12 @@ def target() -> Target:
 
 
 def make(method: str, target: Target, seed: int = 1, markov_scale: float = 0.5, **kw):
-    """A randomly initialised model (the Markov W2 made non-zero so the head matters) and its cfg."""
+    """A randomly initialised model (the Markov W2 made non-zero so the head matters) and its cfg.
+    Tests run both methods with DSpark's `markov_rank`: DFlash, which has no Markov head, drops it."""
     torch.manual_seed(seed)
-    cfg = DrafterConfig(method=method, feature_layers=FEATS, **kw)
+    if method == "dflash":
+        kw.pop("markov_rank", None)
+    cfg = methods.get(method).config(feature_layers=FEATS, **kw)
     model = STRATEGIES[method].build(cfg, target)
     markov = getattr(model, "markov", None)
     if markov is not None:
@@ -205,7 +209,7 @@ def test_greedy_speculative_equals_plain_greedy(target, method, kw):
     prompt = [5, 17, 3, 42, 8, 8, 61]
     n = 20
     gen = GenerationConfig(max_new_tokens=n, gamma=4)
-    plain = generate(target, REGISTRY["none"](target), prompt, SamplingParams(), gen)
+    plain = generate(target, NoDrafter(target), prompt, SamplingParams(), gen)
     hf = target.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n)
     assert plain.token_ids == hf[0, len(prompt) :].tolist()
     model, cfg = make(method, target, gamma=5, markov_rank=kw.pop("markov_rank", 8), **kw)
@@ -252,7 +256,7 @@ def test_tiny_overfit_drives_loss_down_and_tau_up(target, method):
     assert out.metrics["acc@1"] > 0.5, out.metrics
     res = generate(target, STRATEGIES[method].drafter(model, cfg, target), prompt, SamplingParams(), gen)
     assert res.tau > tau0 + 1.0, (tau0, res.tau)
-    plain = generate(target, REGISTRY["none"](target), prompt, SamplingParams(), gen)
+    plain = generate(target, NoDrafter(target), prompt, SamplingParams(), gen)
     assert res.token_ids == plain.token_ids  # still lossless when most drafts are accepted
 
 
@@ -319,7 +323,7 @@ def test_draft_vocabulary_restriction_is_exact_and_lossless(target, method):
     from selfdraft.sampling import probs_from_logits
 
     assert torch.allclose(prop.q, probs_from_logits(masked, params), atol=1e-5)
-    plain = generate(target, REGISTRY["none"](target), prompt, SamplingParams(), GenerationConfig(max_new_tokens=20))
+    plain = generate(target, NoDrafter(target), prompt, SamplingParams(), GenerationConfig(max_new_tokens=20))
     res = generate(target, small, prompt, SamplingParams(), GenerationConfig(max_new_tokens=20, gamma=4))
     assert res.token_ids == plain.token_ids
 
@@ -398,7 +402,7 @@ def test_trained_draft_vocabulary_and_target_mask_row_travel_with_the_checkpoint
     d = load_checkpoint(tmp_path / "d", target)
     assert d.vocab.tolist() == ids.tolist() and torch.equal(d.model.mask_embedding, model.mask_embedding)
     prompt = [5, 17, 3, 42, 8, 8, 61]
-    plain = generate(target, REGISTRY["none"](target), prompt, SamplingParams(), GenerationConfig(max_new_tokens=16))
+    plain = generate(target, NoDrafter(target), prompt, SamplingParams(), GenerationConfig(max_new_tokens=16))
     res = generate(target, d, prompt, SamplingParams(), GenerationConfig(max_new_tokens=16, gamma=3))
     assert res.token_ids == plain.token_ids
     assert all(int(t) in set(ids.tolist()) for r in res.rounds for t in getattr(r, "draft_tokens", []))
@@ -434,7 +438,7 @@ def test_dspark_stops_drafting_where_the_scheduler_stops_and_stays_exact(target)
     drafter = STRATEGIES["dspark"].drafter(model, cfg, target)
     assert drafter.gives_confidences
     prompt = [5, 17, 3, 42, 8, 8, 61]
-    plain = generate(target, REGISTRY["none"](target), prompt, SamplingParams(), GenerationConfig(max_new_tokens=20))
+    plain = generate(target, NoDrafter(target), prompt, SamplingParams(), GenerationConfig(max_new_tokens=20))
     start = lambda: drafter.begin(prompt[:-1], target.forward(torch.tensor([prompt[:-1]]), None, FEATS))  # noqa: E731
     start()
     full = drafter.propose(prompt, 5, SamplingParams(), None)

@@ -19,7 +19,8 @@ import torch
 from safetensors.torch import load_file
 
 import selfdraft
-from selfdraft.config import DrafterConfig, TrainConfig
+from selfdraft.config import TrainConfig
+from selfdraft.methods import drafter_config
 from selfdraft.target import Target
 from selfdraft.training.trainer import STATE_FILE, train
 from tests.conftest import tiny_llama
@@ -74,7 +75,7 @@ def torchrun(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
 
 def in_process(target_dir, data, out, **train_overrides):
     target = Target.load(str(target_dir), dtype="float32")
-    return train(target, DrafterConfig(**DRAFTER), TrainConfig(data=str(data), **{**TRAIN, **train_overrides}), out)
+    return train(target, drafter_config(DRAFTER), TrainConfig(data=str(data), **{**TRAIN, **train_overrides}), out)
 
 
 def max_diff(a_dir: Path, b_dir: Path) -> float:

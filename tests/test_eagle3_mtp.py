@@ -7,15 +7,16 @@ import pytest
 import torch
 from tests.conftest import tiny_llama
 
-from selfdraft.config import DrafterConfig, GenerationConfig, SamplingParams
+from selfdraft import methods
+from selfdraft.config import GenerationConfig, SamplingParams
 from selfdraft.decode import generate
-from selfdraft.drafters import REGISTRY
-from selfdraft.drafters.eagle3 import eagle3_feature_layers
+from selfdraft.methods.eagle3.config import eagle3_feature_layers
+from selfdraft.methods.eagle3.train import ttt_states
+from selfdraft.methods.mtp.train import mtp_states
+from selfdraft.methods.none.drafter import NoDrafter
 from selfdraft.sampling import probs_from_logits
 from selfdraft.target import Target, TargetStep
 from selfdraft.training.masks import ttt_attention_mask
-from selfdraft.training.strategies.eagle3 import ttt_states
-from selfdraft.training.strategies.mtp import mtp_states
 from selfdraft.training.strategy import STRATEGIES, Batch
 
 V, H, LAYERS = 96, 48, 5
@@ -32,7 +33,7 @@ def target() -> Target:
 def make(method: str, target: Target, seed: int = 1, **kw):
     torch.manual_seed(seed)
     feats = () if method == "mtp" else FEATS
-    cfg = DrafterConfig(method=method, feature_layers=feats, **kw)
+    cfg = methods.get(method).config(feature_layers=feats, **kw)
     return STRATEGIES[method].build(cfg, target), cfg
 
 
@@ -97,7 +98,7 @@ def test_ttt_states_equal_inference_drafts(target, vocab):
 @pytest.mark.parametrize("tree", [None, dict(depth=3, top_k=3, total_tokens=10), dict(depth=5, top_k=4, total_tokens=30)])
 def test_eagle3_greedy_equals_plain_greedy(target, tree):
     n = 24
-    plain = generate(target, REGISTRY["none"](), PROMPT, config=GenerationConfig(max_new_tokens=n))
+    plain = generate(target, NoDrafter(), PROMPT, config=GenerationConfig(max_new_tokens=n))
     model, cfg = make("eagle3", target, gamma=5, draft_vocab_size=64)
     reduced_vocab(model, target)
     drafter = STRATEGIES["eagle3"].drafter(model, cfg, target)
@@ -133,7 +134,7 @@ def _overfit(method: str, target: Target, steps: int = 40, **kw):
         opt.step()
         losses.append(out.loss.item())
     res = generate(target, STRATEGIES[method].drafter(model, cfg, target), prompt, SamplingParams(), gen)
-    plain = generate(target, REGISTRY["none"](), prompt, SamplingParams(), gen)
+    plain = generate(target, NoDrafter(), prompt, SamplingParams(), gen)
     assert res.token_ids == plain.token_ids
     return losses, out, tau0, res.tau
 
@@ -181,14 +182,14 @@ def test_mtp_states_equal_inference_drafts(target, kw):
 @pytest.mark.parametrize("kw", MTP_KINDS)
 def test_mtp_greedy_equals_plain_greedy(target, kw):
     n = 24
-    plain = generate(target, REGISTRY["none"](), PROMPT, config=GenerationConfig(max_new_tokens=n))
+    plain = generate(target, NoDrafter(), PROMPT, config=GenerationConfig(max_new_tokens=n))
     model, cfg = make("mtp", target, gamma=5, **kw)
     drafter = STRATEGIES["mtp"].drafter(model, cfg, target)
     for gamma in (1, 3, 6):
         res = generate(target, drafter, PROMPT, config=GenerationConfig(max_new_tokens=n, gamma=gamma))
         assert res.token_ids == plain.token_ids, gamma
     short = generate(target, drafter, [7], config=GenerationConfig(max_new_tokens=8, gamma=5))  # n < depth
-    assert short.token_ids == generate(target, REGISTRY["none"](), [7], config=GenerationConfig(max_new_tokens=8)).token_ids
+    assert short.token_ids == generate(target, NoDrafter(), [7], config=GenerationConfig(max_new_tokens=8)).token_ids
 
 
 def test_mtp_tiny_overfit(target):
@@ -203,7 +204,7 @@ def test_native_mtp_loader_maps_deepseek_layer_names(target, tmp_path):
     layer 61 (layers L and L+1 here) with their shared embedding / head copies."""
     from safetensors.torch import save_file
 
-    from selfdraft.drafters.mtp import NATIVE_SUFFIXES, load_native_mtp
+    from selfdraft.methods.mtp.model import NATIVE_SUFFIXES, load_native_mtp
 
     ref, _ = make("mtp", target, seed=3, mtp_modules=2)
     inverse = {ours: native for native, ours in NATIVE_SUFFIXES.items()}
@@ -221,7 +222,7 @@ def test_native_mtp_loader_maps_deepseek_layer_names(target, tmp_path):
     # the loaded module drafts losslessly, and MLA-style blocks are refused by name
     drafter = STRATEGIES["mtp"].drafter(model, cfg, target)
     res = generate(target, drafter, PROMPT, config=GenerationConfig(max_new_tokens=12, gamma=4))
-    assert res.token_ids == generate(target, REGISTRY["none"](), PROMPT, config=GenerationConfig(max_new_tokens=12)).token_ids
+    assert res.token_ids == generate(target, NoDrafter(), PROMPT, config=GenerationConfig(max_new_tokens=12)).token_ids
     tensors[f"model.layers.{LAYERS}.self_attn.q_a_proj.weight"] = torch.zeros(4, H)
     save_file(tensors, str(tmp_path / "model-00001.safetensors"))
     with pytest.raises(ValueError, match="q_a_proj"):

@@ -8,11 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from selfdraft.config import DrafterConfig, GenerationConfig, SamplingParams
+from selfdraft import methods
+from selfdraft.config import GenerationConfig, SamplingParams
 from selfdraft.decode import Speculation, generate
-from selfdraft.drafters import REGISTRY
 from selfdraft.drafters.base import Drafter, Proposal, propose_all
 from selfdraft.engine import Engine, PaddedCache, engine_throughput, pad_group
+from selfdraft.methods.dspark.config import DSparkConfig
+from selfdraft.methods.ngram.drafter import NgramDrafter
+from selfdraft.methods.none.drafter import NoDrafter
 from selfdraft.scheduler import CostTable, Scheduler
 from selfdraft.target import Target
 from selfdraft.training.calibrate import collect_rounds
@@ -31,7 +34,7 @@ def target() -> Target:
 def dspark(target: Target, seed: int = 1):
     """A random tiny DSpark drafter (Markov head made non-zero so its drafts vary)."""
     torch.manual_seed(seed)
-    cfg = DrafterConfig(method="dspark", feature_layers=FEATS, gamma=4, markov_rank=8)
+    cfg = DSparkConfig(feature_layers=FEATS, gamma=4, markov_rank=8)
     model = STRATEGIES["dspark"].build(cfg, target)
     torch.nn.init.normal_(model.markov.W2.weight, std=0.5)
     return lambda: STRATEGIES["dspark"].drafter(model, cfg, target)
@@ -41,7 +44,7 @@ def trained(method: str, target: Target, seed: int = 1, tree: dict | None = None
     """A random tiny trained-kind drafter (EAGLE-3 as a dynamic tree with `tree`)."""
     torch.manual_seed(seed)
     feats = {"mtp": (), "eagle3": (0, 1, 2)}.get(method, FEATS)
-    cfg = DrafterConfig(method=method, feature_layers=feats, gamma=4, markov_rank=8)
+    cfg = methods.get(method).config(feature_layers=feats, gamma=4, **({"markov_rank": 8} if method == "dspark" else {}))
     model = STRATEGIES[method].build(cfg, target)
 
     def make():
@@ -54,7 +57,7 @@ def trained(method: str, target: Target, seed: int = 1, tree: dict | None = None
 
 
 def makers(target):
-    return {"none": lambda: REGISTRY["none"](target), "ngram": lambda: REGISTRY["ngram"](target), "dspark": dspark(target),
+    return {"none": lambda: NoDrafter(target), "ngram": lambda: NgramDrafter(target), "dspark": dspark(target),
             "eagle3-tree": trained("eagle3", target, tree=dict(depth=3, top_k=3, total_tokens=10)),
             "oracle-tree": lambda: ArgmaxTreeDrafter(target)}
 
@@ -156,15 +159,15 @@ def test_generate_engine_and_calibration_commit_through_speculation(target, monk
 
 def test_cancel_and_max_concurrency(target):
     engine = Engine(target, max_concurrency=2, prefill_pad_slack=float("inf"))  # a and b join in one prefill
-    a = engine.add_request(PROMPTS[0], REGISTRY["ngram"](target), config=GenerationConfig(max_new_tokens=40))
-    b = engine.add_request(PROMPTS[1], REGISTRY["ngram"](target), config=GenerationConfig(max_new_tokens=10))
-    c = engine.add_request(PROMPTS[2], REGISTRY["ngram"](target), config=GenerationConfig(max_new_tokens=10))
+    a = engine.add_request(PROMPTS[0], NgramDrafter(target), config=GenerationConfig(max_new_tokens=40))
+    b = engine.add_request(PROMPTS[1], NgramDrafter(target), config=GenerationConfig(max_new_tokens=10))
+    c = engine.add_request(PROMPTS[2], NgramDrafter(target), config=GenerationConfig(max_new_tokens=10))
     engine.step()
     assert len(engine.active) == 2 and len(engine.pending) == 1  # c waits for a free slot
     engine.cancel(a)
     assert engine.results[a].finish_reason == "cancelled" and engine.kv.rows == 1
     engine.run()
-    single = generate(target, REGISTRY["ngram"](target), PROMPTS[2], config=GenerationConfig(max_new_tokens=10))
+    single = generate(target, NgramDrafter(target), PROMPTS[2], config=GenerationConfig(max_new_tokens=10))
     assert engine.results[c].token_ids == single.token_ids
     assert len(engine.results[b].token_ids) == 10
 
@@ -198,7 +201,7 @@ class Exploding(Drafter):
     name = "exploding"
 
     def __init__(self, target, after: int) -> None:
-        self.inner, self.after, self.rounds = REGISTRY["ngram"](target), after, 0
+        self.inner, self.after, self.rounds = NgramDrafter(target), after, 0
 
     def propose(self, tokens, gamma, params, generator) -> Proposal:
         self.rounds += 1
@@ -219,7 +222,7 @@ def test_a_poisoned_request_fails_alone_and_the_others_equal_their_single_reques
     nan_now = SamplingParams(temperature=0.7, seed=6)
     object.__setattr__(nan_now, "temperature", float("nan"))
     good = {engine.add_request(PROMPTS[0], make(), config=cfg): (PROMPTS[0], "dspark"),
-            engine.add_request(PROMPTS[2], REGISTRY["ngram"](target), config=cfg): (PROMPTS[2], "ngram"),
+            engine.add_request(PROMPTS[2], NgramDrafter(target), config=cfg): (PROMPTS[2], "ngram"),
             engine.add_request(PROMPTS[4], make(), config=cfg): (PROMPTS[4], "dspark")}
     sampled = engine.add_request(PROMPTS[3], make(), SamplingParams(temperature=0.9, seed=3), cfg)
     bad = [engine.add_request(PROMPTS[1], make(), nan_later, cfg),
@@ -290,7 +293,7 @@ def test_penalties_and_logit_bias_greedy_equal_a_slow_reference(target):
         return out
 
     expected = [reference(p) for p in PROMPTS[:3]]
-    assert expected[0] != generate(target, REGISTRY["none"](target), PROMPTS[0], SamplingParams(), cfg).token_ids
+    assert expected[0] != generate(target, NoDrafter(target), PROMPTS[0], SamplingParams(), cfg).token_ids
     engine = Engine(target)
     ids = [engine.add_request(p, makers(target)["dspark"](), params, cfg) for p in PROMPTS[:3]]
     engine.run()
@@ -396,7 +399,7 @@ def test_a_failing_batched_prefill_falls_back_to_one_prefill_per_request(target)
     engine = Engine(target, prefill_chunk=CHUNK, prefill_pad_slack=float("inf"))  # one batch of 4
     good = {engine.add_request(RAGGED[0], make(), config=cfg): 0, engine.add_request(RAGGED[2], make(), config=cfg): 2}
     bad = engine.add_request(RAGGED[1], BadLayers(), config=cfg)
-    good[engine.add_request(RAGGED[4], REGISTRY["ngram"](target), config=cfg)] = 4
+    good[engine.add_request(RAGGED[4], NgramDrafter(target), config=cfg)] = 4
     out = engine.step()
     assert [o.request_id for o in out if o.finish_reason == "error"] == [bad]
     assert "feature layers" in str(next(o.error for o in out if o.request_id == bad))

@@ -12,8 +12,9 @@ from transformers import ViTConfig
 from selfdraft.cli import app
 from selfdraft.config import ConfigError, DrafterConfig, GenerationConfig, SamplingParams, from_dict
 from selfdraft.decode import generate
-from selfdraft.drafters import REGISTRY
 from selfdraft.loader import load_drafter
+from selfdraft.methods.dflash.config import DFlashConfig
+from selfdraft.methods.none.drafter import NoDrafter
 from selfdraft.target import Target, TargetError
 from tests.conftest import tiny_llama
 
@@ -61,7 +62,7 @@ def test_max_tokens_below_one():
 def test_prompt_longer_than_context():
     target = Target(tiny_llama(max_pos=32))
     with pytest.raises(TargetError, match="exceeds the target's context of 32"):
-        generate(target, REGISTRY["none"](), list(range(30)), config=GenerationConfig(max_new_tokens=8))
+        generate(target, NoDrafter(), list(range(30)), config=GenerationConfig(max_new_tokens=8))
 
 
 def test_unknown_drafter_and_config_keys(tiny_target):
@@ -96,7 +97,7 @@ def _checkpoint(tmp_path, drafter_method: str, method: str = "dflash"):
     target_dir = tmp_path / "target"
     tiny_llama().save_pretrained(target_dir)
     target = Target.load(str(target_dir), dtype="float32")
-    cfg = DrafterConfig(method="dflash", feature_layers=(1, 2))
+    cfg = DFlashConfig(feature_layers=(1, 2))
     d = save_checkpoint(tmp_path / "ckpt", STRATEGIES["dflash"].build(cfg, target), cfg, target, {})
     meta = json.loads((d / "config.json").read_text())
     meta["method"], meta["drafter"]["method"] = method, drafter_method

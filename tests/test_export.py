@@ -16,10 +16,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from selfdraft.checkpoint import DRAFT_VOCAB_FILE, CheckpointError, atomic_dir, write_checkpoint_files
-from selfdraft.config import DrafterConfig, GenerationConfig, SamplingParams
+from selfdraft.config import GenerationConfig, SamplingParams
 from selfdraft.decode import generate
+from selfdraft.export import export_speculators, exportable, is_speculators_dir, method_map
 from selfdraft.loader import load_drafter
-from selfdraft.export import METHODS, export_speculators, is_speculators_dir
+from selfdraft.methods import drafter_config
 from selfdraft.target import Target, TargetStep
 from selfdraft.training.strategy import STRATEGIES
 from selfdraft.vocab import DraftVocab
@@ -61,10 +62,10 @@ def _randomise(model: torch.nn.Module, seed: int) -> None:
 
 
 def make_checkpoint(target: Target, name: str, dir, config: dict | None = None) -> str:
-    cfg = DrafterConfig(**(config or CONFIGS[name]))
+    cfg = drafter_config(config or CONFIGS[name])
     strategy = STRATEGIES[cfg.method]
     if not cfg.feature_layers:
-        cfg.feature_layers = strategy.default_feature_layers(target)
+        cfg.feature_layers = cfg.default_feature_layers(target)
     model = strategy.build(cfg, target).float()
     _randomise(model, seed=len(name))
     if name.endswith("-bf16"):
@@ -156,11 +157,11 @@ def test_mask_token_id_uses_the_targets_frozen_embedding_row(target):
     """mask_token_id >= 0: the mask slots are the target's embedding row (no parameter, nothing saved), i.e. the
     same function as a learned mask vector equal to that row; vLLM builds exactly this."""
     torch.manual_seed(0)
-    row_model = STRATEGIES["dspark"].build(DrafterConfig(**CONFIGS["dspark"]), target).float()
+    row_model = STRATEGIES["dspark"].build(drafter_config(CONFIGS["dspark"]), target).float()
     assert "mask_embedding" not in row_model.state_dict()
     assert "mask_embedding" not in dict(row_model.named_parameters())
     assert torch.equal(row_model.mask_embedding, target.embed(torch.tensor(7)))
-    learned = STRATEGIES["dspark"].build(DrafterConfig(**{**CONFIGS["dspark"], "mask_token_id": -1}), target).float()
+    learned = STRATEGIES["dspark"].build(drafter_config({**CONFIGS["dspark"], "mask_token_id": -1}), target).float()
     learned.load_state_dict({**row_model.state_dict(), "mask_embedding": target.embed(torch.tensor(7)).detach()})
     T, pos = 10, torch.tensor([[4, 8]])
     feats = torch.randn(1, T, len(row_model.fc.weight[0]) // target.hidden_size, target.hidden_size)
@@ -175,7 +176,7 @@ def test_mask_token_id_uses_the_targets_frozen_embedding_row(target):
     assert not torch.allclose(h(row_model), h(learned))
 
 
-REFUSED = {  # drafters vLLM would not run as trained -> the DrafterConfig values the message must ask for
+REFUSED = {  # drafters vLLM would not run as trained -> the config values the message must ask for
     "dspark-old": (dict(method="dspark", gamma=4, markov_rank=8), {"qk_norm": True, "mask_token_id": V - 1}),
     "dflash-learned-mask": (dict(method="dflash", gamma=4, anchor_as_first=False, qk_norm=True), {"mask_token_id": V - 1}),
     "mtp-deepseek": (dict(method="mtp", gamma=3, mtp_modules=2, qk_norm=True), {"mtp_modules": 1, "mtp_normed_handoff": True}),
@@ -440,4 +441,6 @@ def test_config_validates_with_speculators_classes(target, tmp_path):
 
 
 def test_methods_table_covers_every_exported_method():
-    assert set(METHODS) == {"eagle3", "dflash", "dspark", "mtp"}
+    """Every trained method has a speculators map (in its package's export.py), named like the method."""
+    assert set(exportable()) == {"eagle3", "dflash", "dspark", "mtp"}
+    assert all(method_map(name).method == name for name in exportable())

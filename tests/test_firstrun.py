@@ -153,12 +153,12 @@ def test_calibration_notes_positions_without_evidence():
 
 def test_calibrate_cli_prints_the_notes(target_dir, tmp_path):
     from selfdraft.checkpoint import save_checkpoint
-    from selfdraft.config import DrafterConfig
+    from selfdraft.methods.dspark.config import DSparkConfig
     from selfdraft.target import Target
     from selfdraft.training.strategy import STRATEGIES
 
     target = Target.load(str(target_dir), dtype="float32")
-    cfg = DrafterConfig(method="dspark", feature_layers=(1, 2), gamma=3, markov_rank=8)
+    cfg = DSparkConfig(feature_layers=(1, 2), gamma=3, markov_rank=8)
     torch.manual_seed(0)
     ckpt = save_checkpoint(tmp_path / "d", STRATEGIES["dspark"].build(cfg, target), cfg, target, {})
     data = write_dataset(tmp_path / "data", n_train=2, n_val=2)

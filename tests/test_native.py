@@ -28,8 +28,9 @@ import tests.test_engine as te
 import tests.test_tree as tt
 from selfdraft.config import GenerationConfig, SamplingParams
 from selfdraft.decode import generate
-from selfdraft.drafters import REGISTRY
+from selfdraft.methods.none.drafter import NoDrafter
 from selfdraft.native import NativeCache
+from selfdraft.native.quant import Fp16Linear
 from selfdraft.target import Target, TargetError
 from selfdraft.tree import tree_inputs
 from tests.conftest import tiny_llama
@@ -86,7 +87,7 @@ def test_native_matches_hf_prefill_decode_verify(arch):
     n = 24
     prompt = ids[0, :9].tolist()
     ref = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, 9:].tolist()
-    res = generate(nat, REGISTRY["none"](), prompt, config=GenerationConfig(max_new_tokens=n))
+    res = generate(nat, NoDrafter(), prompt, config=GenerationConfig(max_new_tokens=n))
     assert res.token_ids == ref
 
 
@@ -184,8 +185,8 @@ def test_batched_engine_on_native(kind, sched):
     nat = Target(model, backend="native")
     te.test_batched_greedy_equals_single_request(nat, kind, sched)
     prompt = te.PROMPTS[0]
-    hf_out = generate(Target(model), REGISTRY["none"](), prompt, config=GenerationConfig(max_new_tokens=30)).token_ids
-    assert generate(nat, REGISTRY["none"](), prompt, config=GenerationConfig(max_new_tokens=30)).token_ids == hf_out
+    hf_out = generate(Target(model), NoDrafter(), prompt, config=GenerationConfig(max_new_tokens=30)).token_ids
+    assert generate(nat, NoDrafter(), prompt, config=GenerationConfig(max_new_tokens=30)).token_ids == hf_out
 
 
 # ----------------------------------------------------------------------------- quantised weights
@@ -208,7 +209,7 @@ def _dequantized_hf(model, nat: Target):
     return ref
 
 
-@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("weights", ["int8", "int4", "fp16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_quantized_stack_equals_its_dequantized_model(arch, weights):
     model = build(arch)
@@ -221,13 +222,23 @@ def test_quantized_stack_equals_its_dequantized_model(arch, weights):
     # and the quantisation itself stays close to the float model (catches a wrong scale/zero layout)
     full = Target(model).forward(ids, None).logits
     err = (b.logits - full).abs().max() / full.abs().max()
-    assert err < (0.03 if weights == "int8" else 0.2), err
+    assert err < {"int8": 0.03, "int4": 0.2, "fp16": 2e-3}[weights], err
+
+
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_lossless_greedy_suite_on_fp16_weights(gamma):
+    """fp16 weights (FBGEMM): every drafter's greedy output == plain greedy == HF generate() on a
+    model holding the same float16-rounded weights."""
+    model = tiny_llama()
+    fp16 = Target(_dequantized_hf(model, Target(model, backend="native", weights="fp16")), backend="native", weights="fp16")
+    assert fp16.weights == "fp16" and isinstance(fp16.native.layers[0].qkv, Fp16Linear)
+    td.test_greedy_equals_plain_and_hf_generate(fp16, gamma)
 
 
 def test_int4_falls_back_to_dense_for_shapes_the_kernel_refuses():
     nat = Target(tiny_llama(hidden=24, vocab=96), backend="native", weights="int4")  # K = 24: no whole group
     assert any("stay dense" in n for n in nat.notes)
-    assert generate(nat, REGISTRY["none"](), [1, 2, 3], config=GenerationConfig(max_new_tokens=5)).token_ids
+    assert generate(nat, NoDrafter(), [1, 2, 3], config=GenerationConfig(max_new_tokens=5)).token_ids
 
 
 def test_backend_options_are_checked():
@@ -322,4 +333,4 @@ def test_embedded_native_equals_hf(embedded_fp32):
         assert_steps_close(ref, nat.forward(torch.tensor([ids]), None, (1, 8, 27)))
         assert (int4.forward(torch.tensor([ids]), None).logits - ref.logits).abs().max() <= 2e-3
         hf = embedded_fp32.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids):].tolist()
-        assert generate(nat, REGISTRY["none"](), ids, config=GenerationConfig(max_new_tokens=n)).token_ids == hf
+        assert generate(nat, NoDrafter(), ids, config=GenerationConfig(max_new_tokens=n)).token_ids == hf

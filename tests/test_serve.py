@@ -21,10 +21,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
 from selfdraft.cli import app as cli_app
-from selfdraft.config import DrafterConfig, GenerationConfig, SamplingParams
+from selfdraft.config import GenerationConfig, SamplingParams
 from selfdraft.decode import generate
 from selfdraft.drafters.base import Drafter, Proposal
 from selfdraft.engine import drafter_factory
+from selfdraft.methods.eagle3.config import Eagle3Config
 from selfdraft.scheduler import Scheduler
 from selfdraft.serve import MAX_BODY_BYTES, EngineLoop, GracefulServer, RequestSpec, ServerMetrics, create_app
 from selfdraft.serve.text import TextStream
@@ -228,7 +229,7 @@ def tree_drafter(kind: str, target: Target):
     if kind == "oracle-tree":
         return lambda: ArgmaxTreeDrafter(target)
     torch.manual_seed(0)
-    cfg = DrafterConfig(method="eagle3", feature_layers=(0, 1, 2), gamma=4)
+    cfg = Eagle3Config(feature_layers=(0, 1, 2), gamma=4)
     model = STRATEGIES["eagle3"].build(cfg, target)
 
     def make():

@@ -159,11 +159,25 @@ def import_blocked(modules: list[str]) -> subprocess.CompletedProcess:
 
 
 def inference_modules() -> list[str]:
-    """Every drafter module, the decoding loop, the batched engine, and the checkpoint formats with
-    the loader that reads them (a trained drafter must load and run without training code)."""
-    mods = sorted(m for m in module_names(SRC, PKG) if m.startswith(f"{PKG}.drafters."))
-    assert mods, "no selfdraft.drafters.* modules found: update this test to the new layout"
+    """Every module of every method except its train.py, the shared drafter blocks, the decoding loop,
+    the batched engine, and the checkpoint formats with the loader that reads them (a trained drafter
+    must load and run without training code)."""
+    mods = sorted(m for m in module_names(SRC, PKG) if m.startswith((f"{PKG}.drafters", f"{PKG}.methods"))
+                  and not m.endswith(".train"))
+    assert {f"{PKG}.methods.{m}.{part}" for m in ("dflash", "eagle3", "mtp") for part in ("model", "drafter", "export")} <= set(mods)
     return mods + [f"{PKG}.{m}" for m in ("decode", "engine", "checkpoint", "export", "loader", "vocab")]
+
+
+def test_only_a_methods_train_module_imports_training():
+    """Inside selfdraft/methods/, train.py is the one file of a method that may import selfdraft.training
+    (the import walk sees imports at any level, so none hides in a function)."""
+    graph = import_graph(SRC, PKG)
+    trains = {m for m in graph if m.startswith(f"{PKG}.methods.") and m.endswith(".train")}
+    assert {f"{PKG}.methods.{m}.train" for m in ("dflash", "dspark", "eagle3", "mtp")} <= trains
+    bad = sorted(m for m, deps in graph.items() if m.startswith(f"{PKG}.methods") and m not in trains
+                 and any(d == f"{PKG}.training" or d.startswith(f"{PKG}.training.") for d in deps))
+    assert not bad, f"methods modules other than train.py that import selfdraft.training: {bad}"
+    assert all(any(d.startswith(f"{PKG}.training") for d in graph[m]) for m in trains)  # control: the walk sees them
 
 
 def test_training_blocker_blocks():
@@ -250,18 +264,29 @@ def test_docs_references_resolve():
 
 
 # ----------------------------------------------------------------------------- one registry entry per method
-def test_every_trained_method_names_its_strategy():
-    """Each trained method's inference entry names a training strategy of the same method, and that
-    strategy builds and wraps modules through the entry (one place per method, not two that can drift)."""
-    from selfdraft.drafters import TRAINED
+def test_every_method_resolves_through_the_one_registry():
+    """Each registry line names a package whose METHOD has that name and whose parts all resolve; a
+    trained method's strategy is of the same method and builds and wraps modules through the registry
+    (one place per method, not two that can drift), and its export map carries its name."""
+    from selfdraft import methods
+    from selfdraft.config import DrafterConfig
     from selfdraft.training.strategy import STRATEGIES, Strategy
 
-    assert {"dflash", "dspark", "eagle3", "mtp"} <= set(TRAINED)
-    for name, entry in TRAINED.items():
+    assert set(methods.names(trained=True)) >= {"dflash", "dspark", "eagle3", "mtp"}
+    assert set(methods.names(trained=False)) >= {"none", "ngram"}
+    for name in methods.names():
+        m = methods.get(name)
+        assert m.name == name and callable(m.part(m.drafter)), name
+        if not m.trained:
+            assert not (m.model or m.strategy or m.export), name
+            continue
+        assert issubclass(m.config, DrafterConfig) and m.config().method == name, name
+        assert callable(m.part(m.model)), name
         strategy = STRATEGIES[name]
-        assert isinstance(strategy, Strategy) and strategy.method == name, entry.strategy
+        assert isinstance(strategy, Strategy) and strategy.method == name, m.strategy
         assert type(strategy).build is Strategy.build and type(strategy).drafter is Strategy.drafter, name
-    assert set(STRATEGIES) == {n for n, m in TRAINED.items() if m.strategy}
+        assert m.speculators().method == name
+    assert set(STRATEGIES) == {n for n in methods.names(trained=True) if methods.get(n).strategy}
 
 
 # ----------------------------------------------------------------------------- each default once

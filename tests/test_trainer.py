@@ -14,7 +14,7 @@ from selfdraft.config import ConfigError, DrafterConfig, TrainConfig
 from selfdraft.target import Target
 from selfdraft.training.trainer import STATE_FILE, lr_at, train
 from tests.conftest import tiny_llama
-from tests.toy_training import TOY, single_thread, toy_method, write_dataset  # noqa: F401  (fixtures)
+from tests.toy_training import TOY, ToyConfig, single_thread, toy_method, write_dataset  # noqa: F401  (fixtures)
 
 
 @pytest.fixture
@@ -31,7 +31,7 @@ def data(tmp_path):
 def cfgs(data, **train_overrides) -> tuple[DrafterConfig, TrainConfig]:
     train = dict(data=str(data), steps=10, batch_size=4, max_seq_len=32, lr=1e-2, warmup_steps=3,
                  val_every=5, val_batches=1, save_every=5, seed=0, bf16=False)  # fmt: skip
-    return DrafterConfig(method=TOY, feature_layers=(1, 2)), TrainConfig(**{**train, **train_overrides})
+    return ToyConfig(feature_layers=(1, 2)), TrainConfig(**{**train, **train_overrides})
 
 
 class Kill(Exception):
@@ -196,31 +196,48 @@ def test_feature_cache_matches_online_training(toy_method, tiny_target, data, tm
 
 
 def test_train_options_are_the_config_fields(monkeypatch, tmp_path):
-    """`train` has one option per DrafterConfig / TrainConfig field (generated, not copied), and every
-    option given reaches its field; options not given stay None (the config's default applies)."""
+    """`train` has one option per field of every method's config and of TrainConfig (generated, not
+    copied), a method's own option says whose it is, and every option given reaches its field; options
+    not given stay None (the config's default applies). An option of another method is refused (exit 2)."""
     import dataclasses
 
     from typer.main import get_command
 
     import selfdraft.cli.train as train_cli
+    from selfdraft import methods
     from selfdraft.cli import app
     from selfdraft.config import ConfigError, DrafterConfig, TrainConfig
 
-    params = {p.name for p in get_command(app).commands["train"].params}
-    fields = {f.name for cls in (DrafterConfig, TrainConfig) for f in dataclasses.fields(cls)}
+    command = get_command(app).commands["train"]
+    params = {p.name for p in command.params}
+    drafter = {f.name for f in dataclasses.fields(DrafterConfig)}
+    drafter |= {f.name for m in methods.names(trained=True) for f in dataclasses.fields(methods.get(m).config)}
+    assert {"mtp_recursive", "tree_depth", "markov_rank", "mask_token_id", "num_layers"} <= drafter
+    fields = drafter | {f.name for f in dataclasses.fields(TrainConfig)}
     assert fields <= params and params - fields == {"out", "target", "config", "resume", "final_only", "threads", "dtype"}
+    helps = {p.name: p.help for p in command.params}
+    assert helps["tree_depth"].startswith("eagle3: ") and helps["markov_rank"].startswith("dspark: ")
+    assert helps["mask_token_id"].startswith("dflash/dspark: ") and helps["mtp_decay"].startswith("mtp: ")
+    assert not helps["gamma"].startswith(tuple(methods.names())), helps["gamma"]  # shared: no owner
     seen = {}
 
     def capture(config, drafter_opts, train_opts):
         seen.update(drafter=drafter_opts, train=train_opts)
         raise ConfigError("captured")
 
-    monkeypatch.setattr(train_cli, "train_configs", capture)
-    res = run_cli("--out", str(tmp_path / "o"), "-m", "eagle3", "--layers", "2", "--tree-depth", "3", "--mtp-stacked",
-                  "--feature-layers", "1,2", "-b", "5", "--fsdp", "--data", "d", "--lr", "0.5")
+    with monkeypatch.context() as m:
+        m.setattr(train_cli, "train_configs", capture)
+        res = run_cli("--out", str(tmp_path / "o"), "-m", "eagle3", "--layers", "2", "--tree-depth", "3", "--mtp-stacked",
+                      "--feature-layers", "1,2", "-b", "5", "--fsdp", "--data", "d", "--lr", "0.5")
     assert res.exit_code == 2 and "captured" in res.output, res.output
-    assert set(seen["drafter"]) == {f.name for f in dataclasses.fields(DrafterConfig)}
+    assert set(seen["drafter"]) == drafter
     assert set(seen["train"]) == {f.name for f in dataclasses.fields(TrainConfig)}
     given = {k: v for part in seen.values() for k, v in part.items() if v is not None}
     assert given == {"method": "eagle3", "num_layers": 2, "tree_depth": 3, "mtp_recursive": False,
                      "feature_layers": (1, 2), "batch_size": 5, "fsdp": True, "data": "d", "lr": 0.5}
+    # the real train_configs: EAGLE-3 has no MTP option (and no --layers: it has exactly one layer)
+    for option, field, owner in (("--mtp-stacked", "mtp_recursive", "mtp"), ("--layers=2", "num_layers", "dflash")):
+        res = run_cli("--out", str(tmp_path / "o"), "-m", "eagle3", option, "--data", "d")
+        assert res.exit_code == 2 and f"{field} (a {owner} option)" in res.output and "eagle3" in res.output, res.output
+    res = run_cli("--out", str(tmp_path / "o"), "-m", "eagle3", "--config", '{"drafter": {"markov_rank": 64}}', "--data", "d")
+    assert res.exit_code == 2 and "markov_rank (a dspark option)" in res.output, res.output  # even at its default

@@ -9,7 +9,8 @@ import torch
 import selfdraft.decode as decode_mod
 from selfdraft.config import GenerationConfig, SamplingParams
 from selfdraft.decode import generate
-from selfdraft.drafters import REGISTRY, Drafter, Proposal
+from selfdraft.drafters import Drafter, Proposal
+from selfdraft.methods.none.drafter import NoDrafter
 from selfdraft.sampling import sample
 from selfdraft.target import Target
 from selfdraft.tree import (
@@ -204,7 +205,7 @@ class ArgmaxTreeDrafter(Drafter):
 def test_greedy_tree_decoding_equals_plain_greedy(tiny_target):
     prompt = [5, 17, 3, 42, 8]
     n = 30
-    plain = generate(tiny_target, REGISTRY["none"](), prompt, config=GenerationConfig(max_new_tokens=n))
+    plain = generate(tiny_target, NoDrafter(), prompt, config=GenerationConfig(max_new_tokens=n))
     for drafter in (RandomTreeDrafter(96), ArgmaxTreeDrafter(tiny_target)):
         for gamma in (1, 4):
             res = generate(tiny_target, drafter, prompt, config=GenerationConfig(max_new_tokens=n, gamma=gamma))

@@ -2,23 +2,33 @@
 
 `toy-test`: fuse the feature layers (RMSNorm + one linear layer) and predict the next token through the
 target's frozen LM head, with cross-entropy on a random 80% of the supervised positions (so the
-strategy's generator matters, as anchor sampling does for DFlash/DSpark). Register it with the
-`toy_method` fixture, which removes it again afterwards.
+strategy's generator matters, as anchor sampling does for DFlash/DSpark). This module is the method's
+package (it defines METHOD); the `toy_method` fixture registers it through the public path
+(selfdraft.methods.register) and removes it again afterwards.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from selfdraft.drafters.base import TRAINED, Drafter, Proposal, TrainedMethod, default_feature_layers, register_trained
-from selfdraft.training.strategy import STRATEGIES, Batch, LossOutput, Strategy, register_strategy
+from selfdraft import methods
+from selfdraft.config import DrafterConfig
+from selfdraft.drafters.base import Drafter, Proposal
+from selfdraft.methods import Method
+from selfdraft.training.strategy import STRATEGIES, Batch, LossOutput, Strategy
 
 TOY = "toy-test"
+
+
+@dataclass
+class ToyConfig(DrafterConfig):
+    method: str = TOY
 
 
 class ToyHead(nn.Module):
@@ -71,14 +81,19 @@ class ToyStrategy(Strategy):
         return LossOutput(loss=loss, tokens=int(keep.sum()), metrics={"ce": float(loss.detach()), "acc@1": float(acc)})
 
 
+TOY_STRATEGY = ToyStrategy()
+METHOD = Method(name=TOY, config=ToyConfig, model="tests.toy_training:build_toy", drafter="tests.toy_training:ToyDrafter",
+                strategy="tests.toy_training:TOY_STRATEGY")
+
+
 @pytest.fixture
 def toy_method():
-    """Registers the toy method (inference entry and training strategy) for one test and removes it afterwards."""
-    register_trained(TrainedMethod(TOY, build_toy, ToyDrafter, default_feature_layers))
-    strategy = register_strategy(ToyStrategy())
-    yield strategy
-    del STRATEGIES[TOY]
-    del TRAINED[TOY]
+    """Registers the toy method (this module) for one test and removes it afterwards."""
+    methods.register(TOY, __name__)
+    try:
+        yield STRATEGIES[TOY]
+    finally:
+        methods.unregister(TOY)
 
 
 def write_dataset(data_dir: Path, n_train: int = 24, n_val: int = 4, vocab: int = 96, seed: int = 0) -> Path:

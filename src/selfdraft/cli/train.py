@@ -1,8 +1,10 @@
 """`selfdraft train`: the generic training loop (docs/training.md).
 
-Its options are generated from the fields of `DrafterConfig` and `TrainConfig`: a new config field is
-a new option, with the config's default shown, and no value is copied by hand between the two. The
-tables below only name the options whose spelling is not `--field-name` and give their help.
+Its options are generated from the fields of every method's config (selfdraft.methods) and of
+`TrainConfig`: a new config field is a new option, with the config's default shown, and no value is
+copied by hand between the two. A method's own option says whose it is in its help; giving one with
+another --method is an error. The drafter options' help and spelling live in the config fields
+(config.knob); the table below does the same for TrainConfig.
 """
 
 from __future__ import annotations
@@ -17,36 +19,12 @@ from typing import Optional
 
 import typer
 
+from selfdraft import methods
 from selfdraft.cli.common import ComputeDtypeOpt, TargetOpt, ThreadsOpt, command, int_list, set_threads, warn
 from selfdraft.config import ConfigError, DrafterConfig, TrainConfig, from_dict
 
 # field -> (option declarations or None for `--field-name`, help). Fields without an entry get both by default.
-DRAFTER_OPTIONS: dict[str, tuple[tuple[str, ...] | None, str]] = {
-    "method": (("--method", "-m"), "dflash | dspark | eagle3 | mtp"),
-    "gamma": (None, "block size γ (draft tokens per round)"),
-    "num_layers": (("--layers",), "draft decoder layers"),
-    "feature_layers": (None, "target layers, e.g. 1,8,14,20,27 (default: the method's)"),
-    "qk_norm": (None, "per-head q/k RMSNorm (the layout vLLM builds)"),
-    "anchor_as_first": (("--anchor-as-first/--anchor-plus-masks",), "DSpark / DFlash block layout"),
-    "loss_decay": (None, "position weight exp(-(k-1)/decay)"),
-    "init_from_target": (("--init-from-target/--random-init",), "DFlash/DSpark: start from the target's last layers"),
-    "mask_token_id": (None, "DFlash/DSpark: mask slots use this target embedding row (-1 = learned)"),
-    "loss_vocab_size": (None, "DFlash/DSpark: train and draft over the N most frequent answer tokens (0 = all)"),
-    "markov_rank": (None, "Markov head rank r (0 = off)"),
-    "markov_head": (None, "vanilla | gated | rnn"),
-    "w_ce": (None, "cross-entropy loss weight"),
-    "w_tv": (None, "total-variation loss weight"),
-    "w_conf": (None, "confidence (BCE) loss weight"),
-    "draft_vocab_size": (None, "EAGLE-3 draft vocab (0 = full)"),
-    "ttt_decay": (None, "EAGLE-3: training-time-test step j weighs ttt_decay^j"),
-    "tree_depth": (None, "EAGLE-3: dynamic draft tree depth at inference (0 = chain)"),
-    "tree_top_k": (None, "EAGLE-3 tree: children per frontier node"),
-    "tree_total_tokens": (None, "EAGLE-3 tree: nodes verified per round, anchor included"),
-    "mtp_modules": (None, "MTP: D stacked modules"),
-    "mtp_recursive": (("--mtp-recursive/--mtp-stacked",), "MTP: reuse the last module up to γ"),
-    "mtp_normed_handoff": (None, "MTP: depth d+1 reads the final-normed h^d (speculators' layout)"),
-    "mtp_decay": (None, "MTP: depth d weighs mtp_decay^(d-1)"),
-}
+# The drafter options come from the method configs' own field metadata (config.knob) instead.
 TRAIN_OPTIONS: dict[str, tuple[tuple[str, ...] | None, str]] = {
     "data": (None, "regenerated dataset directory"),
     "features": (None, "online (target runs during training) or a feature-cache directory"),
@@ -64,12 +42,37 @@ TRAIN_OPTIONS: dict[str, tuple[tuple[str, ...] | None, str]] = {
 TYPES = {"int": int, "float": float, "bool": bool, "str": str, "tuple[int, ...]": str}
 
 
-def config_options(cls: type, table: dict) -> list[inspect.Parameter]:
-    """One keyword parameter per field of `cls`, defaulting to None (= not given: the config's default)."""
-    unknown = set(table) - {f.name for f in dataclasses.fields(cls)}
-    assert not unknown, f"options for fields {cls.__name__} does not have: {sorted(unknown)}"
+def drafter_fields() -> list[tuple[dataclasses.Field, list[str]]]:
+    """The union of every trained method's config fields, each once: the shared ones (DrafterConfig)
+    first, then each method's own, with the methods that have it."""
+    fields = {f.name: f for f in dataclasses.fields(DrafterConfig)}
+    shared, owners = set(fields), {}
+    for name in methods.names(trained=True):
+        for f in dataclasses.fields(methods.get(name).config):
+            if f.name not in shared:
+                fields.setdefault(f.name, f)
+                owners.setdefault(f.name, []).append(name)
+    return [(f, owners.get(f.name, [])) for f in fields.values()]
+
+
+def drafter_table() -> dict[str, tuple[tuple[str, ...] | None, str]]:
+    """The drafter options' spelling and help, from the config fields' metadata; a method's own
+    option says whose it is."""
+    table = {}
+    for f, owners in drafter_fields():
+        help = f.metadata.get("help", "")
+        if f.name == "method":
+            help = " | ".join(methods.names(trained=True))
+        table[f.name] = (f.metadata.get("flags") or None, f"{'/'.join(owners)}: {help}" if owners else help)
+    return table
+
+
+def config_options(fields: list[dataclasses.Field], table: dict) -> list[inspect.Parameter]:
+    """One keyword parameter per field, defaulting to None (= not given: the config's default)."""
+    unknown = set(table) - {f.name for f in fields}
+    assert not unknown, f"options for fields the configs do not have: {sorted(unknown)}"
     params = []
-    for f in dataclasses.fields(cls):
+    for f in fields:
         decls, help = table.get(f.name, (None, ""))
         typ = TYPES[f.type]
         if decls is None:
@@ -102,11 +105,12 @@ def _config_arg(text: str | None) -> dict:
 def train_configs(config: str | None, drafter_opts: dict, train_opts: dict) -> tuple[DrafterConfig, TrainConfig]:
     """--config {"drafter": {...}, "train": {...}} (a file or inline JSON) overlaid with the options actually given.
 
-    Unknown keys raise (config.from_dict), in the file as on the command line.
+    Unknown keys raise (config.from_dict), in the file as on the command line, and so do options of
+    another method than --method (methods.drafter_config).
     """
     file = _config_arg(config)
     given = lambda opts: {k: v for k, v in opts.items() if v is not None}  # noqa: E731
-    dcfg = from_dict(DrafterConfig, {**file.get("drafter", {}), **given(drafter_opts)})
+    dcfg = methods.drafter_config({**file.get("drafter", {}), **given(drafter_opts)})
     tcfg = from_dict(TrainConfig, {**file.get("train", {}), **given(train_opts)})
     if not tcfg.data:
         raise ConfigError("no training data: pass --data DIR (from `selfdraft data regenerate`) or set train.data in --config")
@@ -126,7 +130,7 @@ def train_cmd(
     set_threads(threads)
     if fields["feature_layers"] is not None:
         fields["feature_layers"] = int_list(fields["feature_layers"], "--feature-layers")
-    dcfg, tcfg = train_configs(config, {f.name: fields[f.name] for f in dataclasses.fields(DrafterConfig)},
+    dcfg, tcfg = train_configs(config, {f.name: fields[f.name] for f, _ in drafter_fields()},
                                {f.name: fields[f.name] for f in dataclasses.fields(TrainConfig)})
     strategy_for(dcfg.method)  # fail on an unknown method before loading the target
     rank0 = os.environ.get("RANK", "0") == "0"
@@ -165,7 +169,8 @@ def _train_signature() -> inspect.Signature:
         P("threads", P.KEYWORD_ONLY, annotation=int, default=ThreadsOpt),
         P("dtype", P.KEYWORD_ONLY, annotation=str, default=ComputeDtypeOpt),
     ]
-    params = own + config_options(DrafterConfig, DRAFTER_OPTIONS) + config_options(TrainConfig, TRAIN_OPTIONS) + rest
+    params = (own + config_options([f for f, _ in drafter_fields()], drafter_table())
+              + config_options(list(dataclasses.fields(TrainConfig)), TRAIN_OPTIONS) + rest)
     names = [p.name for p in params]
     assert len(names) == len(set(names)), f"a config field clashes with another train option: {names}"
     return inspect.Signature(params, return_annotation=None)

@@ -1,9 +1,7 @@
-"""Drafter kinds. Importing this package fills the registries (REGISTRY: no weights; TRAINED: from a
-checkpoint). `selfdraft.loader.load_drafter` turns a name or a directory into a drafter."""
+"""What every drafting method shares: the `Drafter` protocol and `Proposal` (base.py), the draft
+layers (layers.py) and the block layout of the parallel drafters (blocks.py). The methods themselves
+live in selfdraft/methods/, one package each, registered in selfdraft.methods."""
 
-from __future__ import annotations
+from selfdraft.drafters.base import Drafter, Proposal
 
-from selfdraft.drafters import dflash, dspark, eagle3, mtp, ngram, none  # noqa: F401  (registration side effects)
-from selfdraft.drafters.base import REGISTRY, TRAINED, Drafter, Proposal, TrainedMethod, register, register_trained
-
-__all__ = ["REGISTRY", "TRAINED", "Drafter", "Proposal", "TrainedMethod", "register", "register_trained"]
+__all__ = ["Drafter", "Proposal"]

@@ -1,10 +1,8 @@
-"""The Drafter protocol, the Proposal it returns, and the registries of drafter kinds.
+"""The Drafter protocol, the Proposal it returns, and the shared setup of trained drafters.
 
 A drafter reads the committed tokens (and, for self-drafters, the target's hidden states at
-the committed positions) and proposes up to γ next tokens. Adding a drafter kind = one module
-that subclasses `Drafter` plus one `@register("name")` (no weights: none, ngram) or one
-`register_trained(TrainedMethod(...))` (weights from a checkpoint: the module, its inference
-wrapper, and the name of its training strategy, which only training imports).
+the committed positions) and proposes up to γ next tokens. Each method's drafter lives in its
+package under selfdraft/methods/ (registered once in selfdraft.methods).
 """
 
 from __future__ import annotations
@@ -12,14 +10,13 @@ from __future__ import annotations
 import copy
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from selfdraft.config import SamplingParams
 
 if TYPE_CHECKING:
-    from selfdraft.config import DrafterConfig
     from selfdraft.scheduler import Admission
     from selfdraft.target import Target, TargetStep
     from selfdraft.verify import Verification
@@ -152,13 +149,20 @@ class TrainedDrafter(Drafter):
     """Shared setup of drafters with trained weights (MTP, EAGLE-3, DFlash, DSpark).
 
     The module runs in the target's dtype; a module in another dtype is copied, not cast, because
-    the trainer may still be training it (validation builds drafters from the live model).
+    the trainer may still be training it (validation builds drafters from the live model). Beside a
+    target with fp16 weights, a copy's linear layers run FBGEMM's fp16 kernel as the target's do:
+    the drafter's few-row products cost about half (docs/engine.md#speed); drafts may differ in the
+    last bits, which changes acceptance only, never the output.
     """
 
     def __init__(self, model: torch.nn.Module, cfg, target: "Target") -> None:
         dtype, device = target.model.dtype, target.model.device
         same = model.dtype == dtype and next(model.parameters(), torch.empty(0, device=device)).device == device
         self.model = model if same else copy.deepcopy(model).to(device, dtype)
+        if getattr(target, "weights", None) == "fp16":
+            from selfdraft.native.quant import fp16_linears
+
+            self.model = fp16_linears(copy.deepcopy(model) if self.model is model else self.model)
         self.cfg, self.target = cfg, target
         self.name = cfg.method
         self.feature_layers = tuple(cfg.feature_layers)
@@ -168,46 +172,3 @@ class TrainedDrafter(Drafter):
         from selfdraft.config import ConfigError
 
         raise ConfigError(f"{self.name} drafters do not take an inference draft vocabulary")
-
-
-@dataclass(frozen=True)
-class TrainedMethod:
-    """What inference needs of a trained method, and where its training lives.
-
-    `strategy` names the method's training `Strategy` as "module:attribute"; it is imported by the
-    training side only (training.strategy.STRATEGIES), so no inference module imports training code."""
-
-    name: str  # DrafterConfig.method, config.json "method"
-    build: Callable[["DrafterConfig", "Target"], torch.nn.Module]  # a fresh module (fills cfg's defaults)
-    drafter: Callable[[torch.nn.Module, "DrafterConfig", "Target"], Drafter]  # module -> inference drafter
-    feature_layers: Callable[["Target"], tuple[int, ...]]  # the default feature layers for a target
-    strategy: str = ""  # "selfdraft.training.strategies.NAME:ATTR", "" = not trainable here
-
-
-TRAINED: dict[str, TrainedMethod] = {}
-
-
-def register_trained(method: TrainedMethod) -> TrainedMethod:
-    if method.name in TRAINED:
-        raise ValueError(f"trained method {method.name!r} registered twice")
-    TRAINED[method.name] = method
-    return method
-
-
-def default_feature_layers(target: "Target") -> tuple[int, ...]:
-    """DFlash / DSpark: five layers spread over the target (docs/architecture.md#feature-layers)."""
-    return target.default_feature_layers()
-
-
-DrafterFactory = Callable[..., Drafter]
-REGISTRY: dict[str, DrafterFactory] = {}
-
-
-def register(name: str) -> Callable[[DrafterFactory], DrafterFactory]:
-    def deco(factory: DrafterFactory) -> DrafterFactory:
-        if name in REGISTRY:
-            raise ValueError(f"drafter {name!r} registered twice")
-        REGISTRY[name] = factory
-        return factory
-
-    return deco

@@ -17,11 +17,21 @@ import torch
 import torch.nn.functional as F
 
 from selfdraft.native.cache import NativeCache
-from selfdraft.native.quant import INT4_GROUP, DenseLinear, Int4Linear, Int4Weights, Int8Linear, Linear, int4_supported
+from selfdraft.native.quant import (
+    INT4_GROUP,
+    DenseLinear,
+    Fp16Linear,
+    Int4Linear,
+    Int4Weights,
+    Int8Linear,
+    Linear,
+    fbgemm_available,
+    int4_supported,
+)
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # static inv_freq; 'dynamic'/'longrope' change it with length
-WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
+WEIGHT_FORMATS = ("fp32", "bf16", "fp16", "int8", "int4")
 
 
 def unsupported_reason(model) -> str | None:
@@ -92,6 +102,9 @@ class NativeModel:
         if dense is not None and dense != self.dtype:
             raise ValueError(f"dense {weights} weights need the model loaded in {dense}, not {self.dtype}")
         self.device = next(hf_model.parameters()).device
+        if weights == "fp16" and not (self.device.type == "cpu" and self.dtype == torch.float32 and fbgemm_available()):
+            raise ValueError(f"fp16 weights run FBGEMM's CPU kernel: they need a float32 model on an x86 CPU "
+                             f"(got {self.dtype} on {self.device.type}); use fp32, bf16, int8 or int4")
         self.hidden_size = cfg.hidden_size
         self.n_heads = cfg.num_attention_heads
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
@@ -118,7 +131,7 @@ class NativeModel:
         head = state.get("lm_head.weight", state["model.embed_tokens.weight"])
         # The LM head: int8 in both quantised formats (per row); a GGUF's own head (Q8_0 in
         # SmolLM2's) has no exact int8 kernel, so an exact int4 load keeps it dense.
-        head_fmt = weights if weights in ("fp32", "bf16") else self.dtype_name if exact else "int8"
+        head_fmt = {"int8": "int8", "int4": self.dtype_name if exact else "int8"}.get(weights, weights)
         self.lm_head = self._linear([head], None, head_fmt, None, int4_group)
         if self._fallbacks:
             self.notes.append(f"{self._fallbacks} weights stay dense (their shapes do not fit the int4 kernel)")
@@ -135,6 +148,8 @@ class NativeModel:
             fmt, self._fallbacks = self.dtype_name, self._fallbacks + 1
         if fmt == "int8":
             return Int8Linear.quantize(w, b, self.dtype)
+        if fmt == "fp16":
+            return Fp16Linear(w, b)
         if fmt == "int4":
             if exact is not None and all(e is not None for e in exact):
                 q = Int4Weights.cat(exact)

@@ -8,6 +8,10 @@ memory-bound decode step pays for):
 - int4: w[n, k] = (q[n, k] - 8) * s[n, g] + z[n, g], q in 0..15, one scale and zero per group of
   `group` inputs (`_weight_int4pack_mm_for_cpu` on CPU, `_weight_int4pack_mm` on CUDA).
 
+- fp16 (CPU): weights rounded to float16 and packed for FBGEMM's fp16 GEMM; activations and
+  accumulation stay float32. FBGEMM handles the few-row products of decode and verify far better
+  than the BLAS's float32 path (docs/engine.md#speed).
+
 `Int4Weights` is the unpacked form (q, s, z) so GGUF blocks can be mapped onto it exactly
 (native/gguf.py) and several projections fused by concatenating rows before packing.
 """
@@ -156,3 +160,36 @@ def int4_supported(out_features: int, in_features: int, device: torch.device, gr
 def _cuda_k_tiles(in_features: int) -> int:
     """innerKTiles for `_convert_weight_to_int4pack`: the largest of 8, 4, 2 dividing K / 16."""
     return next(t for t in (8, 4, 2) if in_features % (16 * t) == 0)
+
+
+def fbgemm_available() -> bool:
+    """FBGEMM's kernels ship in PyTorch's x86 CPU builds."""
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+class Fp16Linear(Linear):
+    """W as float16, packed for FBGEMM's fp16 GEMM (x float32 [M, K] -> float32 [M, N])."""
+
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.out_features, self.in_features = w.shape
+        self.packed, self.bias = torch.ops.quantized.linear_prepack_fp16(w.float().contiguous(), None), bias
+
+    def matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic_fp16(x2d, self.packed)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.matmul(torch.eye(self.in_features)).T.contiguous()  # x = I gives W^T as the kernel holds it
+
+    def nbytes(self) -> int:
+        return self.out_features * self.in_features * 2
+
+
+
+def fp16_linears(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` (changed in place, for inference) with each nn.Linear's forward through FBGEMM's fp16
+    kernel; the float32 parameters stay, for code that reads them (e.g. a head's rows)."""
+    for lin in module.modules():
+        if isinstance(lin, torch.nn.Linear):
+            kernel = Fp16Linear(lin.weight.detach(), None if lin.bias is None else lin.bias.detach())
+            lin.forward = kernel  # instance attribute: nn.Module.__call__ finds it before the class method
+    return module.eval()

@@ -57,215 +57,154 @@ ERROR_RESPONSES: dict[int | str, dict] = {
 }
 
 
-def create_app(runner: EngineLoop, model_name: str, api_key: str | None = None, gamma: int = DEFAULT_GAMMA,
-               shutdown_grace_s: float = 10.0, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """The FastAPI app. Its lifespan starts the engine thread and, on shutdown, stops admitting,
-    lets in-flight requests finish for up to shutdown_grace_s, cancels the rest and joins the thread
-    (`GracefulServer` starts that drain when the server begins to stop, so streams cut by the grace
-    period still end with an error event and [DONE])."""
+class BodyLimit:
+    """ASGI middleware: 413 (an OpenAI error object) for a body over `limit` bytes: at once when
+    Content-Length says so, else as soon as the streamed body passes the limit (the handler's error path)."""
 
-    @asynccontextmanager
-    async def lifespan(_: FastAPI):
-        runner.start()
-        yield
-        await asyncio.to_thread(runner.shutdown, shutdown_grace_s)
+    def __init__(self, inner, limit: int, reject) -> None:
+        self.inner, self.limit, self.reject = inner, limit, reject  # reject() -> the 413 response
 
-    app = FastAPI(title="selfdraft", lifespan=lifespan)
-    app.state.runner = runner
-    created = int(time.time())
-    metrics = runner.metrics
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.inner(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            return await self.reject()(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise StarletteHTTPException(413)
+            return message
+
+        await self.inner(scope, limited, send)
+
+
+class OpenAIServer:
+    """The handlers of the API over one `EngineLoop`: requests in, OpenAI objects (or SSE) out.
+    `create_app` binds them to routes; everything here is plain methods so each reads on its own."""
+
+    def __init__(self, runner: EngineLoop, model_name: str, api_key: str | None, gamma: int, max_body_bytes: int) -> None:
+        self.runner, self.model_name, self.api_key, self.gamma = runner, model_name, api_key, gamma
+        self.metrics = runner.metrics
+        self.created = int(time.time())
+        self.too_large = OpenAIError(413, f"the request body exceeds this server's limit of {max_body_bytes} bytes",
+                                     "invalid_request_error", None, "request_too_large")
 
     # ------------------------------------------------------------ errors: always OpenAI objects
-    def error_response(e: OpenAIError, headers: dict | None = None) -> JSONResponse:
+    def error_response(self, e: OpenAIError, headers: dict | None = None) -> JSONResponse:
         if e.status in ERROR_CODES:
-            metrics.rejected.labels(str(e.status)).inc()
+            self.metrics.rejected.labels(str(e.status)).inc()
         return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
-    @app.exception_handler(OpenAIError)
-    async def _openai_error(_: Request, e: OpenAIError) -> JSONResponse:
-        return error_response(e)
+    async def on_openai_error(self, _: Request, e: OpenAIError) -> JSONResponse:
+        return self.error_response(e)
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-        return error_response(validation_error(list(e.errors())))
+    async def on_validation_error(self, _: Request, e: RequestValidationError) -> JSONResponse:
+        return self.error_response(validation_error(list(e.errors())))
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+    async def on_http_error(self, _: Request, e: StarletteHTTPException) -> JSONResponse:
         if e.status_code == 413:
-            return error_response(too_large)
-        return error_response(OpenAIError(e.status_code, str(e.detail), kind), e.headers)  # e.g. 405's Allow
+            return self.error_response(self.too_large)
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return self.error_response(OpenAIError(e.status_code, str(e.detail), kind), e.headers)  # e.g. 405's Allow
 
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, e: Exception) -> JSONResponse:  # a bug: log it, say nothing
-        return error_response(internal(f"req-{uuid.uuid4().hex}", request.url.path, e))
+    async def on_internal_error(self, request: Request, e: Exception) -> JSONResponse:  # a bug: log it, say nothing
+        return self.error_response(internal(f"req-{uuid.uuid4().hex}", request.url.path, e))
 
-    def internal(rid: str, what: str, e: BaseException) -> OpenAIError:
-        log.error("request %s failed (%s)", rid, what, exc_info=e)
-        return OpenAIError(500, f"internal error (request id {rid}); the server log has the details", "internal_error")
-
-    async def authorize(request: Request) -> None:
-        if api_key is None:
+    async def authorize(self, request: Request) -> None:
+        if self.api_key is None:
             return
         given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
             raise OpenAIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
                               "invalid_request_error", None, "invalid_api_key")
 
-    def check_model(name: str) -> None:
-        if name != model_name:
-            raise OpenAIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
-                              "invalid_request_error", "model", "model_not_found")
+    # ------------------------------------------------------------ routes
+    async def health(self) -> dict:
+        r = self.runner
+        return {"status": "ok", "model": self.model_name, "drafter": r.drafter_name, "in_flight": r.in_flight}
 
-    def submit(spec: RequestSpec) -> Handle:
+    async def metrics_route(self) -> Response:
+        return Response(self.metrics.render(), media_type=self.metrics.content_type)
+
+    async def models(self) -> dict:
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "selfdraft",
+                "max_model_len": self.runner.target.max_context, "drafter": self.runner.drafter_name}
+        return {"object": "list", "data": [card]}
+
+    async def completions(self, req: CompletionRequest, request: Request):
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        handle = self.submit(await self.prepare(req, rid, "completions", req.max_tokens))
+
+        def chunk(text: str, finish: str | None, ids: list[int] | None = None) -> dict:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
+                    "choices": [with_ids(choice, ids, req)]}
+
+        if req.stream:
+            return self.sse(handle, req, lambda: None, chunk, "text_completion")
+        text, ids, last = await self.collect(handle, request)
+        return {**chunk(text, last.finish_reason, ids), "usage": self.usage(last)}
+
+    async def chat_completions(self, req: ChatCompletionRequest, request: Request):
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        handle = self.submit(await self.prepare(req, rid, "chat", max_tokens))
+
+        def chunk(text: str, finish: str | None, ids: list[int] | None = None, role: bool = False) -> dict:
+            delta = ({"role": "assistant", "content": text} if role else {"content": text}) if finish is None else {}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
+                    "model": self.model_name, "choices": [with_ids(choice, ids, req)]}
+
+        if req.stream:
+            return self.sse(handle, req, lambda: chunk("", None, role=True), chunk, "chat.completion.chunk")
+        text, ids, last = await self.collect(handle, request)
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": last.finish_reason}
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
+                "choices": [with_ids(choice, ids, req)], "usage": self.usage(last)}
+
+    # ------------------------------------------------------------ request plumbing
+    async def prepare(self, req, rid: str, endpoint: str, max_tokens: int | None) -> RequestSpec:
+        """Validate and tokenize in a worker thread: a long prompt never stalls the event loop
+        (other clients, /health)."""
+        if req.model != self.model_name:
+            raise OpenAIError(404, f"the model {req.model!r} does not exist; this server serves {self.model_name!r}",
+                              "invalid_request_error", "model", "model_not_found")
+        check_unsupported(req)
+        to_ids, target = (chat_prompt_ids if endpoint == "chat" else completion_prompt_ids), self.runner.target
+
+        def work() -> RequestSpec:
+            try:
+                ids = to_ids(req, target)
+            except OpenAIError:
+                raise
+            except Exception as e:  # noqa: BLE001  (the tokenizer or template on odd input: log, generic 500)
+                raise internal(rid, "tokenizing the prompt", e) from None
+            return build_spec(req, ids, target, self.gamma, endpoint, max_tokens, rid)
+
+        return await asyncio.to_thread(work)
+
+    def submit(self, spec: RequestSpec) -> Handle:
         try:
-            return runner.submit(spec, asyncio.get_running_loop())
+            return self.runner.submit(spec, asyncio.get_running_loop())
         except Overloaded as e:
             raise OpenAIError(429, str(e), "rate_limit_error", None, "too_many_requests") from e
         except ShuttingDown as e:
             raise OpenAIError(503, str(e), "server_error", None, "shutting_down") from e
 
-    too_large = OpenAIError(413, f"the request body exceeds this server's limit of {max_body_bytes} bytes",
-                            "invalid_request_error", None, "request_too_large")
-
-    class BodyLimit:
-        """413 (an OpenAI error object) for a body over max_body_bytes: at once when Content-Length
-        says so, else as soon as the streamed body passes the limit (the handler's error path)."""
-
-        def __init__(self, inner) -> None:
-            self.inner = inner
-
-        async def __call__(self, scope, receive, send) -> None:
-            if scope["type"] != "http":
-                return await self.inner(scope, receive, send)
-            declared = dict(scope["headers"]).get(b"content-length", b"")
-            if declared.isdigit() and int(declared) > max_body_bytes:
-                return await error_response(too_large)(scope, receive, send)
-            seen = 0
-
-            async def limited():
-                nonlocal seen
-                message = await receive()
-                if message["type"] == "http.request":
-                    seen += len(message.get("body", b""))
-                    if seen > max_body_bytes:
-                        raise StarletteHTTPException(413)
-                return message
-
-            await self.inner(scope, limited, send)
-
-    app.add_middleware(BodyLimit)
-
-    # ------------------------------------------------------------ routes
-    @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "model": model_name, "drafter": runner.drafter_name, "in_flight": runner.in_flight}
-
-    @app.get("/metrics", response_class=PlainTextResponse)
-    async def metrics_route() -> Response:
-        return Response(metrics.render(), media_type=metrics.content_type)
-
-    @app.get("/v1/models", dependencies=[Depends(authorize)], responses={401: ERROR_RESPONSES[401]})
-    async def models() -> dict:
-        card = {"id": model_name, "object": "model", "created": created, "owned_by": "selfdraft",
-                "max_model_len": runner.target.max_context, "drafter": runner.drafter_name}
-        return {"object": "list", "data": [card]}
-
-    async def prepare(req, rid: str, endpoint: str, max_tokens: int | None) -> RequestSpec:
-        """Validate and tokenize in a worker thread: a long prompt never stalls the event loop
-        (other clients, /health)."""
-        check_model(req.model)
-        check_unsupported(req)
-        to_ids = chat_prompt_ids if endpoint == "chat" else completion_prompt_ids
-
-        def work() -> RequestSpec:
-            try:
-                ids = to_ids(req, runner.target)
-            except OpenAIError:
-                raise
-            except Exception as e:  # noqa: BLE001  (the tokenizer or template on odd input: log, generic 500)
-                raise internal(rid, "tokenizing the prompt", e) from None
-            return build_spec(req, ids, runner.target, gamma, endpoint, max_tokens, rid)
-
-        return await asyncio.to_thread(work)
-
-    @app.post("/v1/completions", dependencies=[Depends(authorize)], responses=ERROR_RESPONSES)
-    async def completions(req: CompletionRequest, request: Request):
-        rid, include_usage = f"cmpl-{uuid.uuid4().hex}", bool(req.stream_options and req.stream_options.include_usage)
-        handle = submit(await prepare(req, rid, "completions", req.max_tokens))
-
-        def chunk(text: str, finish: str | None, ids: list[int] | None = None) -> dict:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-            return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
-                    "choices": [with_ids(choice, ids, req)]}
-
-        if req.stream:
-            return sse(handle, lambda: None, chunk, rid, "text_completion", include_usage, wants_ids(req))
-        text, ids, last = await collect(handle, request)
-        body = chunk(text, last.finish_reason, ids)
-        body["usage"] = usage(last)
-        return body
-
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)], responses=ERROR_RESPONSES)
-    async def chat_completions(req: ChatCompletionRequest, request: Request):
-        rid, include_usage = f"chatcmpl-{uuid.uuid4().hex}", bool(req.stream_options and req.stream_options.include_usage)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        handle = submit(await prepare(req, rid, "chat", max_tokens))
-
-        def chunk(text: str, finish: str | None, ids: list[int] | None = None, role: bool = False) -> dict:
-            delta = ({"role": "assistant", "content": text} if role else {"content": text}) if finish is None else {}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model_name,
-                    "choices": [with_ids(choice, ids, req)]}
-
-        if req.stream:
-            return sse(handle, lambda: chunk("", None, role=True), chunk, rid, "chat.completion.chunk", include_usage,
-                       wants_ids(req))
-        text, ids, last = await collect(handle, request)
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": last.finish_reason}
-        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
-                "choices": [with_ids(choice, ids, req)], "usage": usage(last)}
-
-    def openapi() -> dict:
-        """FastAPI's document with the codes actually returned: request validation answers 400 (an
-        OpenAI error object), never FastAPI's 422; `model` takes the one name this server serves."""
-        if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            for ops in schema["paths"].values():
-                for op in ops.values():
-                    op.get("responses", {}).pop("422", None)
-            parts = schema.get("components", {}).get("schemas", {})
-            for name in ("HTTPValidationError", "ValidationError"):
-                parts.pop(name, None)
-            for name in ("CompletionRequest", "ChatCompletionRequest"):
-                parts[name]["properties"]["model"] = {"type": "string", "enum": [model_name], "title": "Model"}
-            app.openapi_schema = schema
-        return app.openapi_schema
-
-    app.openapi = openapi  # type: ignore[method-assign]
-
-    # ------------------------------------------------------------ request plumbing
-    def wants_ids(req) -> bool:
-        """Extension (as in vLLM): `"return_token_ids": true` adds each choice's generated token ids."""
-        return bool((req.model_extra or {}).get("return_token_ids"))
-
-    def with_ids(choice: dict, ids: list[int] | None, req) -> dict:
-        if ids is not None and wants_ids(req):
-            choice["token_ids"] = ids
-        return choice
-
-    def usage(last: Delta) -> dict:
+    def usage(self, last: Delta) -> dict:
         return {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
                 "total_tokens": last.prompt_tokens + last.completion_tokens,
-                "speculative": last.spec.as_dict(runner.drafter_name) if last.spec else None}
+                "speculative": last.spec.as_dict(self.runner.drafter_name) if last.spec else None}
 
-    def failure(last: Delta, rid: str) -> OpenAIError:
-        if last.finish_reason == "cancelled":
-            return OpenAIError(503, last.error or "cancelled", "server_error", None, "shutting_down")
-        return OpenAIError(500, f"{last.error or 'internal error'} (request id {rid})", "internal_error")
-
-    async def deltas(handle: Handle, request: Request | None) -> AsyncIterator[Delta]:
+    async def deltas(self, handle: Handle, request: Request | None) -> AsyncIterator[Delta]:
         """The request's Deltas until the final one. If the consumer goes away (client disconnect:
         the stream task is cancelled, or `request` reports it), the request leaves the batch."""
         try:
@@ -286,30 +225,31 @@ def create_app(runner: EngineLoop, model_name: str, api_key: str | None = None, 
                 if d.finished:
                     return
         finally:
-            runner.cancel(handle)  # no-op once done
+            self.runner.cancel(handle)  # no-op once done
 
-    async def collect(handle: Handle, request: Request) -> tuple[str, list[int], Delta]:
-        rid = handle.spec.request_id
+    async def collect(self, handle: Handle, request: Request) -> tuple[str, list[int], Delta]:
         parts, ids, last = [], [], None
-        async for d in deltas(handle, request):
+        async for d in self.deltas(handle, request):
             parts.append(d.text)
             ids += d.token_ids
             last = d
         if last is None:  # the client left; nobody reads this response
             raise OpenAIError(499, "client disconnected", "invalid_request_error")
         if last.finish_reason in ("error", "cancelled"):
-            raise failure(last, rid)
+            raise failure(last, handle.spec.request_id)
         return "".join(parts), ids, last
 
-    def sse(handle: Handle, first, chunk, rid: str, obj: str, include_usage: bool, ids: bool) -> StreamingResponse:
-        def event(payload: dict) -> str:
-            return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    def sse(self, handle: Handle, req, first, chunk, obj: str) -> StreamingResponse:
+        """Server-sent events: `first()` (a role chunk or None), one chunk per Delta with text, the
+        final chunk (and usage when asked), an error event for a failed request, then [DONE]."""
+        rid, ids = handle.spec.request_id, wants_ids(req)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         async def stream() -> AsyncIterator[str]:
             head = first()
             if head is not None:
                 yield event(head)
-            async for d in deltas(handle, None):
+            async for d in self.deltas(handle, None):
                 if d.text or (ids and d.token_ids):
                     yield event(chunk(d.text, None, d.token_ids))
                 if d.finished and d.finish_reason in ("error", "cancelled"):
@@ -318,11 +258,82 @@ def create_app(runner: EngineLoop, model_name: str, api_key: str | None = None, 
                 if d.finished:
                     yield event(chunk("", d.finish_reason))
                     if include_usage:
-                        yield event({"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
-                                     "choices": [], "usage": usage(d)})
+                        yield event({"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name,
+                                     "choices": [], "usage": self.usage(d)})
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+    def openapi(self, app: FastAPI) -> dict:
+        """FastAPI's document with the codes actually returned: request validation answers 400 (an
+        OpenAI error object), never FastAPI's 422; `model` takes the one name this server serves."""
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for ops in schema["paths"].values():
+                for op in ops.values():
+                    op.get("responses", {}).pop("422", None)
+            parts = schema.get("components", {}).get("schemas", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                parts.pop(name, None)
+            for name in ("CompletionRequest", "ChatCompletionRequest"):
+                parts[name]["properties"]["model"] = {"type": "string", "enum": [self.model_name], "title": "Model"}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+
+def internal(rid: str, what: str, e: BaseException) -> OpenAIError:
+    """A bug or an odd failure: the log gets the traceback, the client a request id."""
+    log.error("request %s failed (%s)", rid, what, exc_info=e)
+    return OpenAIError(500, f"internal error (request id {rid}); the server log has the details", "internal_error")
+
+
+def failure(last: Delta, rid: str) -> OpenAIError:
+    if last.finish_reason == "cancelled":
+        return OpenAIError(503, last.error or "cancelled", "server_error", None, "shutting_down")
+    return OpenAIError(500, f"{last.error or 'internal error'} (request id {rid})", "internal_error")
+
+
+def wants_ids(req) -> bool:
+    """Extension (as in vLLM): `"return_token_ids": true` adds each choice's generated token ids."""
+    return bool((req.model_extra or {}).get("return_token_ids"))
+
+
+def with_ids(choice: dict, ids: list[int] | None, req) -> dict:
+    if ids is not None and wants_ids(req):
+        choice["token_ids"] = ids
+    return choice
+
+
+def event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def create_app(runner: EngineLoop, model_name: str, api_key: str | None = None, gamma: int = DEFAULT_GAMMA,
+               shutdown_grace_s: float = 10.0, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The FastAPI app. Its lifespan starts the engine thread and, on shutdown, stops admitting,
+    lets in-flight requests finish for up to shutdown_grace_s, cancels the rest and joins the thread
+    (`GracefulServer` starts that drain when the server begins to stop, so streams cut by the grace
+    period still end with an error event and [DONE])."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        runner.start()
+        yield
+        await asyncio.to_thread(runner.shutdown, shutdown_grace_s)
+
+    app = FastAPI(title="selfdraft", lifespan=lifespan)
+    app.state.runner = runner
+    s = OpenAIServer(runner, model_name, api_key, gamma, max_body_bytes)
+    for kind, handler in ((OpenAIError, s.on_openai_error), (RequestValidationError, s.on_validation_error),
+                          (StarletteHTTPException, s.on_http_error), (Exception, s.on_internal_error)):
+        app.add_exception_handler(kind, handler)
+    app.add_middleware(BodyLimit, limit=max_body_bytes, reject=lambda: s.error_response(s.too_large))
+    auth = [Depends(s.authorize)]
+    app.get("/health")(s.health)
+    app.get("/metrics", response_class=PlainTextResponse)(s.metrics_route)
+    app.get("/v1/models", dependencies=auth, responses={401: ERROR_RESPONSES[401]})(s.models)
+    app.post("/v1/completions", dependencies=auth, responses=ERROR_RESPONSES)(s.completions)
+    app.post("/v1/chat/completions", dependencies=auth, responses=ERROR_RESPONSES)(s.chat_completions)
+    app.openapi = lambda: s.openapi(app)  # type: ignore[method-assign]
     return app

@@ -1,25 +1,24 @@
 """The contract between the generic training loop and each drafter kind.
 
-A trainable method = one `Strategy` in `STRATEGIES`: it computes the loss on a batch of target
-states and prepares data-dependent parts of a fresh module. Building the module and wrapping it as
-an inference `Drafter` belong to inference (drafters.base.TRAINED); the strategy forwards to them.
-Each method's registry entry there names its strategy ("module:attribute"), which `STRATEGIES`
-imports on first use: the drafters never import training code.
+A trainable method = one `Strategy` (its package's train.py): it computes the loss on a batch of
+target states and prepares data-dependent parts of a fresh module. Building the module and wrapping
+it as an inference `Drafter` belong to inference (the method's `selfdraft.methods.Method`); the
+strategy forwards to them. Each method names its strategy ("module:attribute"), which `STRATEGIES`
+imports on first use: inference modules never import training code.
 The target's embedding and LM head are shared and frozen: drafter modules never register them
 as submodules (they receive the `Target` as an argument), so checkpoints hold drafter weights only.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from selfdraft import methods
 from selfdraft.config import DrafterConfig
-from selfdraft.drafters import TRAINED
 
 if TYPE_CHECKING:
     from selfdraft.drafters.base import Drafter
@@ -55,16 +54,12 @@ class LossOutput:
 
 class Strategy:
     """One per method. Subclasses set `method` and implement `loss` (and `prepare` if needed);
-    build / default_feature_layers / drafter are the method's inference entry (drafters.base.TRAINED)."""
+    build / drafter are the method's inference entry (selfdraft.methods.get(method))."""
 
     method: str = ""
 
     def build(self, cfg: DrafterConfig, target: "Target") -> torch.nn.Module:
-        return TRAINED[self.method].build(cfg, target)
-
-    def default_feature_layers(self, target: "Target") -> tuple[int, ...]:
-        """Feature layers when the config gives none (docs/architecture.md#feature-layers)."""
-        return TRAINED[self.method].feature_layers(target)
+        return methods.get(self.method).build(cfg, target)
 
     def prepare(self, model: torch.nn.Module, cfg: DrafterConfig, target: "Target", data_dir: str) -> None:
         """Data-dependent initialisation of a freshly built module (EAGLE-3: the draft vocabulary)."""
@@ -75,47 +70,26 @@ class Strategy:
         raise NotImplementedError
 
     def drafter(self, model: torch.nn.Module, cfg: DrafterConfig, target: "Target") -> "Drafter":
-        return TRAINED[self.method].drafter(model, cfg, target)
+        return methods.get(self.method).wrap(model, cfg, target)
 
 
 class StrategyRegistry(Mapping):
-    """method -> its training `Strategy`: the object each TRAINED entry names, imported on first use,
-    plus strategies registered directly (`register_strategy`, e.g. a test's toy method)."""
-
-    def __init__(self) -> None:
-        self._loaded: dict[str, Strategy] = {}
+    """method -> its training `Strategy`: the object its `selfdraft.methods.Method` names, imported on use."""
 
     def _named(self) -> dict[str, str]:
-        return {name: m.strategy for name, m in TRAINED.items() if m.strategy}
+        return {name: methods.get(name).strategy for name in methods.names(trained=True) if methods.get(name).strategy}
 
     def __getitem__(self, method: str) -> Strategy:
-        if method not in self._loaded:
-            where = self._named().get(method)
-            if where is None:
-                raise KeyError(method)
-            module, _, attr = where.partition(":")
-            self._loaded[method] = getattr(importlib.import_module(module), attr)
-        return self._loaded[method]
+        if method not in self._named():
+            raise KeyError(method)
+        m = methods.get(method)
+        return m.part(m.strategy)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(sorted(set(self._named()) | set(self._loaded)))
+        return iter(sorted(self._named()))
 
     def __len__(self) -> int:
-        return len(set(self._named()) | set(self._loaded))
-
-    def register(self, strategy: Strategy) -> Strategy:
-        if strategy.method in self:
-            raise ValueError(f"strategy {strategy.method!r} registered twice")
-        self._loaded[strategy.method] = strategy
-        return strategy
-
-    def __delitem__(self, method: str) -> None:
-        del self._loaded[method]
+        return len(self._named())
 
 
 STRATEGIES = StrategyRegistry()
-
-
-def register_strategy(strategy: Strategy) -> Strategy:
-    """Register a strategy directly (a method whose TRAINED entry names no strategy)."""
-    return STRATEGIES.register(strategy)

@@ -38,7 +38,8 @@ from selfdraft.checkpoint import (
     recover_interrupted_save,
     write_checkpoint_files,
 )
-from selfdraft.config import ConfigError, DrafterConfig, TrainConfig, from_dict
+from selfdraft.config import ConfigError, DrafterConfig, TrainConfig
+from selfdraft.methods import drafter_config
 from selfdraft.progress import progress_bar
 from selfdraft.target import Target
 from selfdraft.training.strategy import STRATEGIES, Batch, LossOutput, Strategy
@@ -232,19 +233,27 @@ def train(
         dist.close()
 
 
-def _train(target, drafter_cfg, train_cfg, out_dir, strategy, resume, on_step, dist: "Distributed") -> TrainResult:
-    t_start = time.perf_counter()
-    out_dir = Path(out_dir).resolve()
-    # 1. Resolve the method, the feature layers and the data.
+@dataclass
+class Plan:
+    """What a run trains on, resolved before any module exists: the method's strategy, the drafter
+    config with its feature layers filled in, and the train / validation sequences."""
+
+    strategy: Strategy
+    cfg: DrafterConfig
+    train_seqs: list[Sequence]
+    val_seqs: list[Sequence]
+
+
+def _plan(target: Target, drafter_cfg: DrafterConfig, train_cfg: TrainConfig, strategy: Strategy | None) -> Plan:
     strategy = strategy or strategy_for(drafter_cfg.method)
     if STRATEGIES.get(drafter_cfg.method) is not strategy:
         raise ConfigError(
             f"strategy {strategy.method!r} is not the one registered for drafter_cfg.method {drafter_cfg.method!r}: "
-            "name it in the method's drafters.base.TRAINED entry, or register it with register_strategy"
+            "name it in the method's selfdraft.methods.Method (its `strategy`)"
         )
     if target.model.dtype != torch.float32 and not train_cfg.bf16:
         raise ConfigError(f"a {target.model.dtype} target needs bf16 autocast: enable bf16, or load the target in float32")
-    cfg = replace(drafter_cfg, feature_layers=drafter_cfg.feature_layers or strategy.default_feature_layers(target))
+    cfg = replace(drafter_cfg, feature_layers=drafter_cfg.feature_layers or drafter_cfg.default_feature_layers(target))
     if train_cfg.features != "online":
         from selfdraft.training.features import FeatureCache
 
@@ -256,6 +265,15 @@ def _train(target, drafter_cfg, train_cfg, out_dir, strategy, resume, on_step, d
     val_seqs = load_sequences(train_cfg.data, "val", train_cfg.max_seq_len, train_cfg.features, target)[: train_cfg.val_batches * train_cfg.batch_size]
     if not train_seqs:
         raise ConfigError(f"{train_cfg.data} has no usable train records (need >= 2 tokens and a supervised token)")
+    return Plan(strategy, cfg, train_seqs, val_seqs)
+
+
+def _train(target, drafter_cfg, train_cfg, out_dir, strategy, resume, on_step, dist: "Distributed") -> TrainResult:
+    t_start = time.perf_counter()
+    out_dir = Path(out_dir).resolve()
+    # 1. Resolve the method, the feature layers and the data.
+    plan = _plan(target, drafter_cfg, train_cfg, strategy)
+    strategy, cfg, train_seqs = plan.strategy, plan.cfg, plan.train_seqs
 
     # 2. Build the drafter (float32 master weights; autocast runs it in bf16) and AdamW, or resume both.
     run = _start_or_resume(target, strategy, cfg, train_cfg, out_dir, resume, len(train_seqs), dist)
@@ -267,20 +285,6 @@ def _train(target, drafter_cfg, train_cfg, out_dir, strategy, resume, on_step, d
         run.opt = opt = _optimizer(model, train_cfg)
     if run.opt_state is not None:  # resumed: the optimizer state, loaded after a possible FSDP sharding
         dist.load_optimizer_state(model, opt, run.opt_state)
-
-    def validate() -> None:
-        # Rank 0 alone on the plain model; with FSDP the shards live on every rank, so all validate
-        # through the wrapper (its forward gathers them).
-        if not val_seqs or (dist.rank and not dist.fsdp):
-            return
-        if dist.fsdp:
-            v = _validate(wrapped, wrapped, target, cfg, train_cfg, val_seqs, autocast, run.step)
-        else:
-            loss_fn = lambda b, g: strategy.loss(model, b, target, cfg, g)  # noqa: E731
-            v = _validate(model, loss_fn, target, cfg, train_cfg, val_seqs, autocast, run.step)
-        run.val.append(v)
-        if dist.rank == 0:
-            bar.write(f"step {v.step}: val loss {v.loss:.4f} " + " ".join(f"{k} {x:.3f}" for k, x in v.metrics.items()))
 
     by_tokens = bool(train_cfg.token_budget)  # the budget usually ends a run before `steps`: count what ends it
     bar = progress_bar(total=train_cfg.token_budget if by_tokens else train_cfg.steps,
@@ -319,7 +323,7 @@ def _train(target, drafter_cfg, train_cfg, out_dir, strategy, resume, on_step, d
         bar.set_postfix(loss=f"{loss:.4f}", **shown, tok_s=f"{log.tokens_per_s:.0f}", lr=f"{lr:.2e}")
         bar.update(step_tokens if by_tokens else 1)
         if train_cfg.val_every and run.step % train_cfg.val_every == 0:
-            validate()
+            _validate_run(run, plan, wrapped, target, train_cfg, autocast, dist, bar)
         if train_cfg.save_every and run.step % train_cfg.save_every == 0:
             _save(run, out_dir, target, cfg, train_cfg, len(train_seqs), dist)
         if on_step:
@@ -329,7 +333,7 @@ def _train(target, drafter_cfg, train_cfg, out_dir, strategy, resume, on_step, d
     # 5. Final validation and checkpoint, unless this step already had them (or nothing was trained).
     if run.step > resumed_from:
         if not (run.val and run.val[-1].step == run.step):
-            validate()
+            _validate_run(run, plan, wrapped, target, train_cfg, autocast, dist, bar)
         if not (train_cfg.save_every and run.step % train_cfg.save_every == 0):
             _save(run, out_dir, target, cfg, train_cfg, len(train_seqs), dist)
     return TrainResult(
@@ -432,6 +436,22 @@ def _mean_outputs(outs: list[LossOutput]) -> tuple[float, dict[str, float]]:
 
 
 @torch.no_grad()
+def _validate_run(run: "RunState", plan: Plan, wrapped, target: Target, train_cfg: TrainConfig, autocast,
+                  dist: "Distributed", bar) -> None:
+    """Validate the run's model now and append to run.val. Rank 0 alone on the plain model; with FSDP
+    the shards live on every rank, so all validate through the wrapper (its forward gathers them)."""
+    if not plan.val_seqs or (dist.rank and not dist.fsdp):
+        return
+    if dist.fsdp:
+        v = _validate(wrapped, wrapped, target, plan.cfg, train_cfg, plan.val_seqs, autocast, run.step)
+    else:
+        loss_fn = lambda b, g: plan.strategy.loss(run.model, b, target, plan.cfg, g)  # noqa: E731
+        v = _validate(run.model, loss_fn, target, plan.cfg, train_cfg, plan.val_seqs, autocast, run.step)
+    run.val.append(v)
+    if dist.rank == 0:
+        bar.write(f"step {v.step}: val loss {v.loss:.4f} " + " ".join(f"{k} {x:.3f}" for k, x in v.metrics.items()))
+
+
 def _validate(module, loss_fn, target, cfg, train_cfg, val_seqs, autocast, step) -> ValLog:
     """Mean loss and metrics on the fixed validation sequences, with a fixed sampling seed.
 
@@ -456,7 +476,7 @@ def _check_resumable(out_dir: Path, target: Target, cfg: DrafterConfig, train_cf
     check_target(meta, target, out_dir)
     if not (out_dir / STATE_FILE).exists():
         raise ConfigError(f"{out_dir} holds a drafter without {STATE_FILE}: it cannot be resumed; pass --no-resume to overwrite it")
-    saved = from_dict(DrafterConfig, meta["drafter"])
+    saved = drafter_config({**meta["drafter"], "method": meta["method"]}, legacy=True)
     if saved != cfg:
         diff = {k: (v, getattr(cfg, k)) for k, v in asdict(saved).items() if v != getattr(cfg, k)}
         raise ConfigError(f"{out_dir} was trained with another drafter config (saved, now): {diff}; use the same settings, or --no-resume")

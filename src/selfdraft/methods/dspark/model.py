@@ -1,4 +1,4 @@
-"""DSpark = DFlash backbone + Markov head + confidence head (docs/methods/dspark.md).
+"""DSpark's module: the DFlash backbone + Markov head + confidence head (docs/methods/dspark.md).
 
 Draft distribution p_k(v | x_0, x_<k) = softmax(U_k + B_k)(v): U_k the backbone logits, B_k a
 low-rank bias from the previous token x_{k-1} (x_0 = the anchor). Locally normalised, so the q_k
@@ -20,10 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from selfdraft.config import DrafterConfig
-from selfdraft.drafters.base import TrainedMethod, default_feature_layers, register_trained
-from selfdraft.drafters.dflash import DFlashDrafter, DFlashModel, DraftBlock, PickMany, resolve_feature_layers, warm_start
 from selfdraft.drafters.layers import LayerShape
+from selfdraft.methods.dflash.model import DFlashModel, DraftBlock, PickMany, warm_start
+from selfdraft.methods.dspark.config import DSparkConfig
 from selfdraft.target import Target
 
 
@@ -74,7 +73,7 @@ class HeadOut:
 
 
 class DSparkModel(DFlashModel):
-    def __init__(self, cfg: DrafterConfig, shape: LayerShape, vocab: int) -> None:
+    def __init__(self, cfg: DSparkConfig, shape: LayerShape, vocab: int) -> None:
         super().__init__(cfg, shape)
         r = cfg.markov_rank
         self.markov = MarkovHead(cfg.markov_head, vocab, r, shape.hidden) if r > 0 else None
@@ -135,12 +134,7 @@ class DSparkModel(DFlashModel):
         return DraftBlock(torch.stack(tokens, 1), torch.stack(logits, 1), torch.stack(conf, 1) if conf else None)
 
 
-def build_dspark(cfg: DrafterConfig, target: Target) -> DSparkModel:
-    resolve_feature_layers(cfg, target)
+def build_dspark(cfg: DSparkConfig, target: Target) -> DSparkModel:
     shape = LayerShape.from_hf(target.model.config, cfg.qk_norm)
     return warm_start(DSparkModel(cfg, shape, target.vocab_size), cfg, target)
 
-
-# DFlashDrafter serves DSpark too: the model's decode_blocks adds the Markov bias and c_k.
-register_trained(TrainedMethod("dspark", build_dspark, DFlashDrafter, default_feature_layers,
-                               strategy="selfdraft.training.strategies.dspark:DSPARK"))

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from selfdraft.drafters.base import Drafter, Proposal, register
+from selfdraft.drafters.base import Drafter, Proposal
 
 
-@register("none")
 class NoDrafter(Drafter):
     name = "none"
 

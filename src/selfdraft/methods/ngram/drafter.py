@@ -6,10 +6,9 @@ from __future__ import annotations
 import torch
 
 from selfdraft.config import ConfigError
-from selfdraft.drafters.base import Drafter, Proposal, register
+from selfdraft.drafters.base import Drafter, Proposal
 
 
-@register("ngram")
 class NgramDrafter(Drafter):
     name = "ngram"
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from selfdraft.config import DrafterConfig
-from selfdraft.drafters.dspark import DSparkModel
+from selfdraft.methods.dflash.train import DFlashStrategy, draft_losses, teacher_forced_blocks
+from selfdraft.methods.dspark.config import DSparkConfig
+from selfdraft.methods.dspark.model import DSparkModel
 from selfdraft.target import Target
 from selfdraft.training.objectives import accuracy_at_k, confidence_labels, position_weights, weighted_mean
-from selfdraft.training.strategies.dflash import DFlashStrategy, draft_losses, teacher_forced_blocks
 from selfdraft.training.strategy import Batch, LossOutput
 
 
@@ -18,7 +18,7 @@ class DSparkStrategy(DFlashStrategy):
 
     method = "dspark"
 
-    def loss(self, model: DSparkModel, batch: Batch, target: Target, cfg: DrafterConfig, generator) -> LossOutput:
+    def loss(self, model: DSparkModel, batch: Batch, target: Target, cfg: DSparkConfig, generator) -> LossOutput:
         # 1. Backbone over all blocks; heads teacher forced on ground-truth previous tokens.
         tf = teacher_forced_blocks(model, batch, target, cfg, generator)
         heads = model.heads(tf.h, tf.prev)

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from selfdraft.config import DrafterConfig
 from selfdraft.drafters.blocks import block_attention_mask
-from selfdraft.drafters.dflash import DFlashModel
+from selfdraft.methods.dflash.config import DFlashConfig
+from selfdraft.methods.dflash.model import DFlashModel
 from selfdraft.target import Target, lm_logits
 from selfdraft.training.draft_vocab import draft_vocab_of
 from selfdraft.training.masks import sample_anchors
@@ -25,7 +25,7 @@ from selfdraft.training.objectives import (
 from selfdraft.training.strategy import Batch, LossOutput, Strategy
 
 
-def prepare_draft_vocab(model: DFlashModel, cfg: DrafterConfig, target: Target, data_dir: str) -> None:
+def prepare_draft_vocab(model: DFlashModel, cfg: DFlashConfig, target: Target, data_dir: str) -> None:
     """Fill model.draft_ids with the cfg.loss_vocab_size most frequent answer tokens of the training data."""
     if not cfg.loss_vocab_size:
         return
@@ -82,7 +82,7 @@ def draft_losses(
 
 
 def teacher_forced_blocks(
-    model: DFlashModel, batch: Batch, target: Target, cfg: DrafterConfig, generator: torch.Generator | None
+    model: DFlashModel, batch: Batch, target: Target, cfg: DFlashConfig, generator: torch.Generator | None
 ) -> TeacherForced:
     """Sample anchors, then run every block of every sequence in ONE backbone forward (docs/methods/dflash.md#training-on-many-anchors)."""
     ids = batch.input_ids  # [B, T]
@@ -113,10 +113,10 @@ class DFlashStrategy(Strategy):
 
     method = "dflash"
 
-    def prepare(self, model: DFlashModel, cfg: DrafterConfig, target: Target, data_dir: str) -> None:
+    def prepare(self, model: DFlashModel, cfg: DFlashConfig, target: Target, data_dir: str) -> None:
         prepare_draft_vocab(model, cfg, target, data_dir)
 
-    def loss(self, model, batch: Batch, target: Target, cfg: DrafterConfig, generator) -> LossOutput:
+    def loss(self, model, batch: Batch, target: Target, cfg: DFlashConfig, generator) -> LossOutput:
         tf = teacher_forced_blocks(model, batch, target, cfg, generator)
         k_idx, gold = tf.k_idx(), tf.gold[tf.valid]  # [N], [N]
         d = draft_losses(model, target, batch, tf, None, with_l1=False)  # U_k over V (or V')

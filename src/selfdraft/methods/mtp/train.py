@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from selfdraft.config import DrafterConfig
-from selfdraft.drafters.mtp import MTPModel
+from selfdraft.methods.mtp.config import MTPConfig
+from selfdraft.methods.mtp.model import MTPModel
 from selfdraft.target import Target
 from selfdraft.training.objectives import accuracy_at_k
 from selfdraft.training.strategy import Batch, LossOutput, Strategy
@@ -37,7 +37,7 @@ class MTPStrategy(Strategy):
 
     method = "mtp"
 
-    def loss(self, model: MTPModel, batch: Batch, target: Target, cfg: DrafterConfig, generator) -> LossOutput:
+    def loss(self, model: MTPModel, batch: Batch, target: Target, cfg: MTPConfig, generator) -> LossOutput:
         ids = batch.input_ids
         B, T = ids.shape
         slot = torch.arange(T, device=ids.device)

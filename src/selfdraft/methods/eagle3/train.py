@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from selfdraft.config import DrafterConfig
-from selfdraft.drafters.eagle3 import Eagle3Model
+from selfdraft.methods.eagle3.config import Eagle3Config
+from selfdraft.methods.eagle3.model import Eagle3Model
 from selfdraft.target import Target
 from selfdraft.training.draft_vocab import draft_vocab_of
 from selfdraft.training.masks import ttt_attention_mask
@@ -51,14 +51,14 @@ class Eagle3Strategy(Strategy):
 
     method = "eagle3"
 
-    def prepare(self, model: Eagle3Model, cfg: DrafterConfig, target: Target, data_dir: str) -> None:
+    def prepare(self, model: Eagle3Model, cfg: Eagle3Config, target: Target, data_dir: str) -> None:
         """The draft vocabulary = the most frequent assistant tokens of the training data (data.py)."""
         if cfg.draft_vocab_size == target.vocab_size:
             return
         vocab = draft_vocab_of(data_dir, cfg.draft_vocab_size, target.vocab_size)
         model.set_vocab(vocab.d2t.to(model.d2t.device), vocab.t2d.to(model.t2d.device), target)
 
-    def loss(self, model: Eagle3Model, batch: Batch, target: Target, cfg: DrafterConfig, generator) -> LossOutput:
+    def loss(self, model: Eagle3Model, batch: Batch, target: Target, cfg: Eagle3Config, generator) -> LossOutput:
         ids = batch.input_ids  # [B, T]
         B, T = ids.shape
         slot = torch.arange(T - 1, device=ids.device)

@@ -1,169 +1,21 @@
-"""DFlash: a block-parallel drafter on the target's fused hidden states (docs/methods/dflash.md).
-
-One forward of N decoder layers (as wide as the target) turns a block [anchor, mask, .., mask]
-into γ draft logits U_1..U_γ at once. Every layer attends to the fused context
-C = RMSNorm(fc([h_l1; ..; h_ln])) of the positions before the anchor via KV injection
-(layers.py). Embedding and LM head are the target's own, frozen and not part of this module.
-
-Layouts (cfg.anchor_as_first):
-  False (DFlash): slots [x_t, m, .., m] (γ + 1); slot k predicts x_{t+k}, k = 1..γ.
-  True  (DSpark): slots [x_t, m, .., m] (γ);     slot k - 1 predicts x_{t+k}.
-Slot j sits at absolute position t + j; context keys keep their own positions 0..t-1.
-"""
+"""DFlash inference (docs/methods/dflash.md): draft one block per round from the context K/V of the
+committed positions; serves DSpark too (its model's decode_blocks adds the Markov bias and c_k)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from selfdraft.config import ConfigError, DrafterConfig, SamplingParams
-from selfdraft.drafters.base import Proposal, TrainedDrafter, TrainedMethod, default_feature_layers, register_trained
-from selfdraft.drafters.blocks import block_attention_mask, block_positions
-from selfdraft.drafters.layers import KV, InjectedDecoderLayer, LayerShape, RMSNorm, Rotary
+from selfdraft.config import ConfigError, SamplingParams
+from selfdraft.drafters.base import Proposal, TrainedDrafter
+from selfdraft.drafters.blocks import block_attention_mask
+from selfdraft.drafters.layers import KV
+from selfdraft.methods.dflash.config import DFlashConfig
+from selfdraft.methods.dflash.model import DFlashModel
 from selfdraft.sampling import block_contexts, probs_from_logits, process_logits, sample
 from selfdraft.target import Target, TargetStep, lm_logits
 
-Pick = Callable[[int, torch.Tensor], int]  # (k, logits_k [V]) -> chosen draft token x_k
-PickMany = Callable[[int, torch.Tensor], torch.Tensor]  # (k, logits_k [R, V]) -> x_k [R] for R blocks at once
 
-
-@dataclass
-class DraftBlock:
-    """One round's serial decode of a block (inference, or teacher-forced replay in tests)."""
-
-    tokens: torch.Tensor  # [γ] int64 x_1..x_γ ([R, γ] when R blocks are decoded together)
-    logits: torch.Tensor  # [γ, V] float32 the logits each x_k was chosen from ([R, γ, V])
-    confidences: torch.Tensor | None  # [γ] c_k ([R, γ]), or None without a confidence head
-
-
-class DFlashModel(nn.Module):
-    """Trainable DFlash weights: context fusion, mask embedding, N injected layers, final norm."""
-
-    def __init__(self, cfg: DrafterConfig, shape: LayerShape) -> None:
-        super().__init__()
-        self.gamma = cfg.gamma
-        self.offset = 0 if cfg.anchor_as_first else 1  # slot of draft k is k - 1 + offset
-        self.block_len = cfg.gamma + self.offset
-        H = shape.hidden
-        self.fc = nn.Linear(len(cfg.feature_layers) * H, H, bias=False)
-        self.context_norm = RMSNorm(H, shape.eps)
-        if cfg.mask_token_id < 0:
-            self.mask_embedding = nn.Parameter(torch.randn(H) * 0.02)  # learnable, not a vocab token
-        else:  # the target's embedding row of mask_token_id (vLLM's layout): filled by attach_target, not saved
-            self.register_buffer("mask_embedding", torch.zeros(H), persistent=False)
-        # [V'] ascending target ids the LM head and losses run over (cfg.loss_vocab_size); None = all V
-        n = cfg.loss_vocab_size
-        self.register_buffer("draft_ids", torch.zeros(n, dtype=torch.long) if n else None)
-        self.layers = nn.ModuleList(InjectedDecoderLayer(shape) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(H, shape.eps)
-        self.rotary = Rotary(shape.head_dim, shape.rope_theta)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
-
-    @torch.no_grad()
-    def init_from_target(self, target: Target) -> None:
-        """Warm start (cfg.init_from_target): draft layer i <- the target's layer L - N + i (same
-        parameter names as HF Llama layers), final norm <- the target's; the fusion starts by passing
-        the deepest feature layer through, normed as the first copied layer normed its input."""
-        layers, norm = getattr(target.model.base_model, "layers", None), getattr(target.model.base_model, "norm", None)
-        if layers is None or norm is None or len(layers) < len(self.layers):
-            raise ConfigError("init_from_target needs a Llama-style target (base_model.layers and .norm)")
-        src = list(layers)[-len(self.layers):]
-        for mine, theirs in zip(self.layers, src):
-            try:
-                missing, unexpected = mine.load_state_dict(theirs.state_dict(), strict=False)
-            except RuntimeError as e:
-                raise ConfigError(f"init_from_target: the target's layers do not match a Llama layer: {e}") from None
-            # q/k norms (qk_norm) have no counterpart in a Llama layer: they start at 1 (identity scale)
-            extra = [k for k in missing if not k.endswith(("q_norm.weight", "k_norm.weight"))]
-            if extra or unexpected:
-                raise ConfigError(f"init_from_target: the target's layers do not match a Llama layer "
-                                  f"(missing {extra}, unexpected {unexpected})")
-        self.norm.weight.copy_(norm.weight)
-        H = self.norm.weight.shape[0]
-        self.fc.weight.zero_()
-        self.fc.weight[:, -H:] = torch.eye(H)
-        self.context_norm.weight.copy_(src[0].input_layernorm.weight)
-
-    def context(self, features: torch.Tensor) -> torch.Tensor:
-        """features: [B, T, n_feat, H] target layer outputs -> C: [B, T, H]."""
-        return self.context_norm(self.fc(features.to(self.dtype).flatten(2)))
-
-    def context_kv(self, c: torch.Tensor, positions: torch.Tensor) -> list[KV]:
-        """C: [B, T, H] at positions [B, T] -> per layer K/V [B, n_kv, T, d] (block independent)."""
-        return [layer.context_kv(c, positions, self.rotary) for layer in self.layers]
-
-    def backbone(
-        self, ctx: list[KV], anchor_emb: torch.Tensor, anchor_pos: torch.Tensor, mask: torch.Tensor
-    ) -> torch.Tensor:
-        """A blocks per sequence in one pass.
-
-        ctx: per-layer context K/V; anchor_emb: [B, A, H] target embedding of x_t; anchor_pos:
-        [B, A] t; mask: [B, A·L, Tc + A·L] (masks.block_attention_mask) -> h: [B, A, γ, H]
-        final-normed hidden states at the draft slots (U_k = lm_head(h_k)).
-        """
-        B, A, H = anchor_emb.shape
-        L = self.block_len
-        x = self.mask_embedding.expand(B, A, L, H).clone()  # [B, A, L, H]
-        x[:, :, 0] = anchor_emb.to(self.dtype)
-        x = x.flatten(1, 2)  # [B, A·L, H]
-        pos = block_positions(anchor_pos, L)  # [B, A·L]
-        for layer, kv in zip(self.layers, ctx):
-            x = layer(x, pos, kv, mask, self.rotary)
-        h = self.norm(x).view(B, A, L, H)
-        return h[:, :, self.offset : self.offset + self.gamma]  # [B, A, γ, H]
-
-    def decode_blocks(
-        self, h: torch.Tensor, U: torch.Tensor, x0: torch.Tensor, pick: PickMany, vocab: torch.Tensor | None = None
-    ) -> DraftBlock:
-        """DFlash drafts are independent given the block: logits_k = U_k. h: [R, γ, H], U: [R, γ, V'], x0: [R].
-
-        vocab: [V'] target ids when U covers only a draft vocabulary (pick returns indices into it;
-        the block's tokens are target ids, its logits stay over the V' columns)."""
-        idx = torch.stack([pick(k, U[:, k]) for k in range(U.shape[1])], dim=1)  # [R, γ]
-        return DraftBlock(idx if vocab is None else vocab[idx], U, None)
-
-    def decode_block(self, h: torch.Tensor, U: torch.Tensor, x0: int, pick: Pick) -> DraftBlock:
-        """One block (h: [γ, H], U: [γ, V]): `decode_blocks` with R = 1."""
-        many = lambda k, logits: torch.tensor([pick(k, logits[0])])  # noqa: E731
-        b = self.decode_blocks(h[None], U[None], torch.tensor([x0], device=h.device), many)
-        return DraftBlock(b.tokens[0], b.logits[0], None if b.confidences is None else b.confidences[0])
-
-
-def warm_start(model: "DFlashModel", cfg: DrafterConfig, target: Target) -> "DFlashModel":
-    """Attach what the module takes from the target (a mask embedding row), then the optional warm start."""
-    V = target.vocab_size
-    if cfg.mask_token_id >= V or cfg.loss_vocab_size > V:
-        raise ConfigError(f"mask_token_id ({cfg.mask_token_id}) and loss_vocab_size ({cfg.loss_vocab_size}) "
-                          f"must not exceed the target's vocabulary ({V} tokens; mask ids below it)")
-    if cfg.mask_token_id >= 0:
-        with torch.no_grad():
-            row = target.embed(torch.tensor([cfg.mask_token_id], device=target.model.device))[0]
-            model.mask_embedding.copy_(row.float())
-    if cfg.init_from_target:
-        model.init_from_target(target)
-    return model
-
-
-def build_dflash(cfg: DrafterConfig, target: Target) -> DFlashModel:
-    resolve_feature_layers(cfg, target)
-    return warm_start(DFlashModel(cfg, LayerShape.from_hf(target.model.config, cfg.qk_norm)), cfg, target)
-
-
-def resolve_feature_layers(cfg: DrafterConfig, target: Target) -> tuple[int, ...]:
-    """Fill cfg.feature_layers with the target's default (docs/architecture.md#feature-layers) when empty, so checkpoints record them."""
-    if not cfg.feature_layers:
-        cfg.feature_layers = target.default_feature_layers()
-    return cfg.feature_layers
-
-
-# --------------------------------------------------------------------------- inference
 class DFlashDrafter(TrainedDrafter):
     """Inference wrapper (also serves DSpark: the model's decode_block adds its heads).
 
@@ -172,7 +24,7 @@ class DFlashDrafter(TrainedDrafter):
     O(new tokens); the block itself (γ or γ + 1 queries) is one small forward.
     """
 
-    def __init__(self, model: DFlashModel, cfg: DrafterConfig, target: Target) -> None:
+    def __init__(self, model: DFlashModel, cfg: DFlashConfig, target: Target) -> None:
         super().__init__(model, cfg, target)
         self.ctx: list[KV] = []
         self.ctx_len = 0
@@ -322,7 +174,3 @@ class DFlashDrafter(TrainedDrafter):
             c = None if block.confidences is None else block.confidences[i, : g[i]]
             out[r] = Proposal(tokens=block.tokens[i, : g[i]], q=q, confidences=c)
         return out
-
-
-register_trained(TrainedMethod("dflash", build_dflash, DFlashDrafter, default_feature_layers,
-                               strategy="selfdraft.training.strategies.dflash:DFLASH"))

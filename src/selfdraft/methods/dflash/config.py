@@ -1,0 +1,36 @@
+"""DFlash's config: the block layout, the many-anchor training and the mask slots (docs/methods/dflash.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from selfdraft.config import ConfigError, DrafterConfig, knob
+
+
+@dataclass
+class DFlashConfig(DrafterConfig):
+    method: str = "dflash"
+    num_layers: int = knob(1, "draft decoder layers (as wide as the target)", "--layers")
+    # True: DSpark's layout (γ inputs -> γ drafts); False: DFlash's (anchor + γ masks)
+    anchor_as_first: bool = knob(True, "block layout: anchor's slot drafts (DSpark) or anchor + γ masks (DFlash)",
+                                 "--anchor-as-first/--anchor-plus-masks")
+    loss_decay: float = knob(4.0, "position weight w_k = exp(-(k-1)/loss_decay)")
+    anchors_per_seq: int = knob(32, "training blocks sampled per sequence (DeepSpec: 512 on long data)")
+    init_from_target: bool = knob(False, "start the draft layers from the target's last layers",
+                                  "--init-from-target/--random-init")
+    # The mask slots' input. -1 = a learned vector; >= 0 = the target's (frozen) embedding row of this
+    # token id, as vLLM's DFlash/DSpark build it (embed_tokens[mask_token_id]).
+    mask_token_id: int = knob(-1, "mask slots use this target embedding row (-1 = learned)")
+    # Train (and draft) over the N most frequent answer tokens of the training data; the losses compare
+    # against p_t restricted to them plus one bucket for the rest (still a true distance). 0 = all.
+    loss_vocab_size: int = knob(0, "train and draft over the N most frequent answer tokens (0 = all)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_layers < 1:
+            raise ConfigError(f"num_layers must be >= 1, got {self.num_layers}")
+        if self.mask_token_id < -1 or self.loss_vocab_size < 0:
+            raise ConfigError(f"mask_token_id >= -1 and loss_vocab_size >= 0 are required "
+                              f"(got {self.mask_token_id}, {self.loss_vocab_size})")
+        if self.loss_decay <= 0 or self.anchors_per_seq < 1:
+            raise ConfigError("loss_decay > 0 and anchors_per_seq >= 1 are required")

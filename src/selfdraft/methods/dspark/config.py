@@ -1,0 +1,26 @@
+"""DSpark's config: DFlash's plus the Markov head, the confidence head and the loss weights (docs/methods/dspark.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from selfdraft.config import ConfigError, knob
+from selfdraft.methods.dflash.config import DFlashConfig
+
+
+@dataclass
+class DSparkConfig(DFlashConfig):
+    method: str = "dspark"
+    markov_rank: int = knob(64, "Markov head rank r (paper 256; 0 = no Markov head)")
+    markov_head: str = knob("vanilla", "Markov head: vanilla | gated | rnn")
+    confidence_head: bool = knob(True, "train the confidence head c_k (the scheduler reads it)")
+    w_ce: float = knob(0.1, "cross-entropy loss weight")
+    w_tv: float = knob(0.9, "total-variation loss weight")
+    w_conf: float = knob(1.0, "confidence (BCE) loss weight")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.markov_head not in ("vanilla", "gated", "rnn"):
+            raise ConfigError(f"markov_head must be vanilla, gated or rnn, got {self.markov_head!r}")
+        if self.markov_rank < 0:
+            raise ConfigError(f"markov_rank must be >= 0 (0 = no Markov head), got {self.markov_rank}")
