@@ -8,6 +8,9 @@ so a busy spell on a shared machine slows all of them alike.
 
     python scripts/bench_engine.py --threads 2 --repeats 5          # embedded target, CPU
     python scripts/bench_engine.py --device cuda --variants hf-bf16,native-bf16,native-int4
+    # --compile, eager vs compiled: forwards, plain and DSpark decoding on a few prompts (outputs checked equal)
+    python scripts/bench_engine.py --threads 1 --variants native-fp32,native-fp32-compiled --verify 2,4,8 \
+        --drafter checkpoints/dspark --prompts 3
 """
 
 from __future__ import annotations
@@ -20,12 +23,15 @@ import time
 
 import torch
 
-from selfdraft.config import GenerationConfig
+from selfdraft.bench import load_prompt_set
+from selfdraft.config import DEFAULT_GAMMA, GenerationConfig
 from selfdraft.decode import generate
 from selfdraft.methods.none.drafter import NoDrafter
+from selfdraft.loader import load_drafter
+from selfdraft.profile import scheduler_for
 from selfdraft.target import Target
 
-VARIANTS = ("hf-fp32", "hf-bf16", "native-fp32", "native-fp16", "native-bf16", "native-int8", "native-int4")
+VARIANTS = ("hf-fp32", "hf-bf16", "native-fp32", "native-fp16", "native-bf16", "native-int8", "native-int4")  # + "-compiled" (native)
 
 
 def sync(device: torch.device) -> None:
@@ -61,12 +67,14 @@ def matmul_rate(device: torch.device, dtype=torch.float32, n: int = 1024, repeat
     return 2 * n**3 / best
 
 
-def build(variant: str, models: dict, device: str) -> Target:
-    backend, weights = variant.split("-")
+def build(variant: str, models: dict, device: str, compile_tokens: int) -> Target:
+    backend, weights, *compiled = variant.split("-")
     dtype = "bfloat16" if weights == "bf16" else "float32"
     if dtype not in models:
         models[dtype] = Target.load(dtype=dtype, device=device)  # the HF model, shared by the variants
-    return models[dtype] if backend == "hf" else models[dtype].with_backend("native", weights)
+    if backend == "hf":
+        return models[dtype]
+    return models[dtype].with_backend("native", weights, compile=compile_tokens if compiled else 0)
 
 
 def filled_cache(target: Target, length: int):
@@ -105,27 +113,31 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--contexts", default="256,1024")
-    ap.add_argument("--verify", type=int, default=8, help="tokens of the verify forward")
+    ap.add_argument("--verify", default="8", help="comma list: tokens of the verify forwards")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=32, help="plain decoding: new tokens per run")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--drafter", default=None, help="also decode speculatively with this drafter (scheduler auto)")
+    ap.add_argument("--prompts", type=int, default=1, help="mt-bench prompts for the decoding rounds (1: a story prompt)")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     contexts = [int(c) for c in args.contexts.split(",")]
+    verify = [int(v) for v in args.verify.split(",")]
+    forwards = [("decode-1", 1)] + [(f"verify-{v}", v) for v in verify]
 
     models: dict = {}
     targets = {}
     for v in variants:
         t0 = time.perf_counter()
-        targets[v] = build(v, models, args.device)
+        targets[v] = build(v, models, args.device, max(verify + [DEFAULT_GAMMA + 1]))
         print(f"built {v} in {time.perf_counter() - t0:.1f}s", flush=True)
     any_t = next(iter(targets.values()))
     g = torch.Generator().manual_seed(0)
-    block = torch.randint(0, any_t.vocab_size, (1, args.verify), generator=g)
+    block = torch.randint(0, any_t.vocab_size, (1, max(verify)), generator=g)
 
     # forward times: every (variant, context) holds a cache of c positions; each timed forward is rolled back
     times: dict[tuple, list[float]] = {}
@@ -136,7 +148,8 @@ def main() -> None:
     for rep in range(1, args.repeats + 1):
         for c in contexts:
             for v, t in targets.items():
-                for name, ids in (("decode-1", block[:, :1]), (f"verify-{args.verify}", block)):
+                for name, n in forwards:
+                    ids = block[:, :n]
                     sync(device)
                     t0 = time.perf_counter()
                     t.forward(ids, caches[v, c])
@@ -147,22 +160,37 @@ def main() -> None:
         print(f"forward round {rep}/{args.repeats} done", flush=True)
     del caches
 
-    # plain decoding tokens/s, interleaved; HF generate() beside the hf rows
-    prompt = any_t.encode_prompt("Write a short story about a robot who learns to paint.")
+    # plain (and speculative) decoding tokens/s, interleaved; HF generate() beside the hf rows
+    if args.prompts > 1:
+        prompts = [any_t.encode_prompt(x) for x in load_prompt_set("mt-bench", args.prompts).texts]
+    else:
+        prompts = [any_t.encode_prompt("Write a short story about a robot who learns to paint.")]
     cfg = GenerationConfig(max_new_tokens=args.tokens, stop_on_eos=False)
     tps: dict[str, list[float]] = {}
+    drafters = {v: {"none": NoDrafter()} for v in targets}
+    scheds = {v: {"none": None} for v in targets}
+    if args.drafter:
+        for v, t in targets.items():  # loaded as in the CLI, outside inference mode (drafters track weight versions)
+            with torch.inference_mode(False):
+                drafters[v]["spec"] = load_drafter(args.drafter, t)
+            scheds[v]["spec"] = scheduler_for("auto", t, drafters[v]["spec"], cfg.gamma, log=print)
+    outputs: dict[tuple, list[int]] = {}
+    all_equal = True
     for rep in range(1, max(1, args.repeats // 2) + 1):  # the forward rounds above warmed every variant up
-        for v, t in targets.items():
-            res = generate(t, NoDrafter(), prompt, config=cfg)
-            if rep:
-                tps.setdefault(v, []).append(len(res.token_ids) / res.elapsed_s)
-            if t.backend == "hf":
-                sync(device)
-                t0 = time.perf_counter()
-                t.model.generate(torch.tensor([prompt], device=t.device), max_new_tokens=args.tokens,
-                                 min_new_tokens=args.tokens, do_sample=False)
-                sync(device)
-                if rep:
+        for p, prompt in enumerate(prompts):
+            for v, t in targets.items():
+                for d, drafter in drafters[v].items():
+                    res = generate(t, drafter, prompt, config=cfg, scheduler=scheds[v][d])
+                    tps.setdefault(v if d == "none" else f"{v} {args.drafter}", []).append(len(res.token_ids) / res.elapsed_s)
+                    if outputs.setdefault((p, d), res.token_ids) != res.token_ids:
+                        all_equal = False
+                        print(f"outputs differ: prompt {p}, {v}, {d}", flush=True)
+                if t.backend == "hf":
+                    sync(device)
+                    t0 = time.perf_counter()
+                    t.model.generate(torch.tensor([prompt], device=t.device), max_new_tokens=args.tokens,
+                                     min_new_tokens=args.tokens, do_sample=False)
+                    sync(device)
                     tps.setdefault(v + " generate()", []).append(args.tokens / (time.perf_counter() - t0))
         print(f"decoding round {rep} done", flush=True)
 
@@ -172,22 +200,27 @@ def main() -> None:
     med = lambda xs: statistics.median(xs) * 1000  # noqa: E731  ms
     print(f"\nmachine: {os.cpu_count()} cpus, {args.threads} torch threads, device {device}, load average "
           f"{os.getloadavg()[0]:.1f}; memory bandwidth {bw / 1e9:.1f} GB/s (copy), fp32 matmul {rate / 1e9:.1f} GFLOP/s")
-    head = " | ".join(f"{n} @{c} ms" for c in contexts for n in ("decode-1", f"verify-{args.verify}"))
+    head = " | ".join(f"{n} @{c} ms" for c in contexts for n, _ in forwards)
     print(f"\n| variant | weights MB | {head} | plain tok/s |")
-    print("|---|---:|" + "---:|" * (2 * len(contexts)) + "---:|")
+    print("|---|---:|" + "---:|" * (len(forwards) * len(contexts)) + "---:|")
     rows = {}
     for v, t in targets.items():
-        cells = [med(times[v, c, n]) for c in contexts for n in ("decode-1", f"verify-{args.verify}")]
+        cells = [med(times[v, c, n]) for c in contexts for n, _ in forwards]
         rows[v] = {"weights_mb": weight_bytes(t) / 1e6, "ms": cells, "tokens_per_s": statistics.median(tps[v])}
         print(f"| {v} | {weight_bytes(t) / 1e6:.0f} | " + " | ".join(f"{x:.1f}" for x in cells)
               + f" | {statistics.median(tps[v]):.1f} |")
         if v + " generate()" in tps:
             print(f"| {v} HF generate() | | " + " | ".join("" for _ in cells) + f" | {statistics.median(tps[v + ' generate()']):.1f} |")
             rows[v + " generate()"] = {"tokens_per_s": statistics.median(tps[v + " generate()"])}
+        if f"{v} {args.drafter}" in tps:
+            print(f"| {v} {args.drafter} (scheduler auto) | | " + " | ".join("" for _ in cells)
+                  + f" | {statistics.median(tps[f'{v} {args.drafter}']):.1f} |")
+            rows[f"{v} {args.drafter}"] = {"tokens_per_s": statistics.median(tps[f"{v} {args.drafter}"])}
+    print(f"\noutputs equal across variants: {all_equal}")
     print("\nfloors (per forward): weights / bandwidth, and 2 x params x tokens / fp32 matmul rate")
     for v, t in targets.items():
         print(f"  {v}: {weight_bytes(t) / bw * 1000:.1f} ms memory; "
-              f"decode-1 {2 * n_params / rate * 1000:.1f} ms, verify-{args.verify} {2 * n_params * args.verify / rate * 1000:.1f} ms compute")
+              f"decode-1 {2 * n_params / rate * 1000:.1f} ms, verify-{max(verify)} {2 * n_params * max(verify) / rate * 1000:.1f} ms compute")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "bandwidth": bw, "matmul_flops": rate, "params": n_params, "rows": rows}, f, indent=2)

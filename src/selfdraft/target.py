@@ -90,16 +90,20 @@ class Target:
     format of the model's dtype, or 'int8' / 'int4'); 'auto' picks it when the architecture is
     supported and falls back to 'hf' with a one-line message otherwise. `gguf`: the GGUF the
     model was converted from, whose Q4 blocks an int4 load then uses exactly (kept in
-    `gguf_cache`, a safetensors file, for the next load)."""
+    `gguf_cache`, a safetensors file, for the next load). compile > 0: torch.compile the native
+    steps of 1..compile new tokens (γ + 1), up front (native/compiled.py; refused on the HF backend)."""
 
     def __init__(self, model: PreTrainedModel, tokenizer=None, name: str = "custom", backend: str = "hf",
-                 weights: str = "auto", gguf: str | Path | None = None, gguf_cache: Path | None = None) -> None:
+                 weights: str = "auto", gguf: str | Path | None = None, gguf_cache: Path | None = None,
+                 compile: int = 0) -> None:
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.name = name
         self.native = None
         self.notes: list[str] = []
         self._gguf, self._gguf_cache = gguf, gguf_cache
+        if compile and backend == "hf":
+            raise TargetError("--compile compiles the native backend's steps: use --backend native or auto")
         dense = "bf16" if model.dtype == torch.bfloat16 else "fp32"
         if backend in ("auto", "native"):
             from selfdraft.native import NativeModel, unsupported_reason
@@ -109,11 +113,14 @@ class Target:
                 raise TargetError(f"--backend native does not support {reason}: use --backend hf")
             if reason and weights not in ("auto", dense):
                 raise TargetError(f"--weights {weights} needs the native backend, which does not support {reason}")
+            if reason and compile:
+                raise TargetError(f"--compile needs the native backend, which does not support {reason}")
             if reason:
                 print(f"note: native backend does not support {reason}; using the HF backend", file=sys.stderr)
             else:
                 try:
-                    self.native = NativeModel(model, dense if weights == "auto" else weights, gguf, gguf_cache=gguf_cache)
+                    self.native = NativeModel(model, dense if weights == "auto" else weights, gguf, gguf_cache=gguf_cache,
+                                              compile=compile)
                 except ValueError as e:
                     raise TargetError(str(e)) from e
                 self.notes += self.native.notes
@@ -133,7 +140,7 @@ class Target:
     # ---------------------------------------------------------------- loading
     @classmethod
     def load(cls, spec: str | None = None, dtype: str | None = None, trust_remote_code: bool = False,
-             backend: str = "hf", weights: str = "auto", device: str = "cpu") -> "Target":
+             backend: str = "hf", weights: str = "auto", device: str = "cpu", compile: int = 0) -> "Target":
         """Load the embedded default (spec None or 'smollm2-135m-instruct'), an HF dir or a .gguf.
 
         dtype None: float32 on the native backend on CPU, bfloat16 otherwise (resolve_options).
@@ -167,17 +174,17 @@ class Target:
         model.to(device)
         if weights == "auto" and backend != "hf":  # an explicit --dtype keeps its old meaning: dense weights in it
             weights = {"float32": "fp32", "bfloat16": "bf16"}[dtype]
-            if device == "cpu" and not dtype_given and _fp16_kernel_fits(model):
+            if device == "cpu" and not dtype_given and not compile and _fp16_kernel_fits(model):  # --compile: dense
                 weights = "fp16"
         gguf = _gguf_source(path)
-        target = cls(model, tok, name, backend, weights, gguf, path / "native_int4.safetensors" if gguf else None)
+        target = cls(model, tok, name, backend, weights, gguf, path / "native_int4.safetensors" if gguf else None, compile)
         for note in target.notes:
             print(f"note: {note}", file=sys.stderr)
         return target
 
-    def with_backend(self, backend: str, weights: str = "auto") -> "Target":
+    def with_backend(self, backend: str, weights: str = "auto", compile: int = 0) -> "Target":
         """The same loaded model behind another backend / weight format (shares the HF weights)."""
-        return type(self)(self.model, self.tokenizer, self.name, backend, weights, self._gguf, self._gguf_cache)
+        return type(self)(self.model, self.tokenizer, self.name, backend, weights, self._gguf, self._gguf_cache, compile)
 
     @property
     def device(self) -> torch.device:
@@ -186,9 +193,10 @@ class Target:
     @property
     def profile_key(self) -> str:
         """Names this target's cost profile: the HF backend's dtype (as before native existed), or
-        the native backend, weights and compute dtype ('native-int8-float32')."""
+        the native backend, weights and compute dtype ('native-int8-float32'; '-compiled' with --compile)."""
         dtype = str(self.model.dtype).removeprefix("torch.")
-        return dtype if self.backend == "hf" else f"native-{self.weights}-{dtype}"
+        compiled = "-compiled" if self.native is not None and self.native.compiled is not None else ""
+        return dtype if self.backend == "hf" else f"native-{self.weights}-{dtype}{compiled}"
 
     @property
     def format(self) -> str:

@@ -11,6 +11,7 @@ import typer
 
 from selfdraft.cli.common import (
     BackendOpt,
+    CompileOpt,
     DeviceOpt,
     EngineDtypeOpt,
     SchedulerOpt,
@@ -52,6 +53,7 @@ def bench_cmd(
     backend: str = BackendOpt,
     weights: str = WeightsOpt,
     device: str = DeviceOpt,
+    compile: bool = CompileOpt,
     scheduler: str = SchedulerOpt,
     as_json: bool = typer.Option(False, "--json", help="print results.json to stdout"),
 ) -> None:
@@ -67,7 +69,7 @@ def bench_cmd(
                       command=shlex.join(["selfdraft", *sys.argv[1:]]))
     sets = [load_prompt_set(s.strip(), num_prompts) for s in datasets.split(",") if s.strip()]
     specs = [parse_drafter_spec(s) for s in drafters.split(",") if s.strip()]
-    tgt = load_target(target, dtype, backend, weights, device)
+    tgt = load_target(target, dtype, backend, weights, device, compile, gamma)
     results = run_bench(tgt, specs, sets, cfg)
     paths = write_report(results, out)
     if as_json:

@@ -36,6 +36,8 @@ WeightsOpt = typer.Option("auto", "--weights", help="native weights: auto (the f
                           "when --dtype is given, and on CUDA) | bf16 | fp32 | int8 (per row) | int4 (groups of 32; a "
                           "GGUF's Q4 blocks exactly)")
 DeviceOpt = typer.Option("auto", "--device", help="auto (cuda if available) | cpu | cuda")
+CompileOpt = typer.Option(False, "--compile", help="torch.compile the native backend's decode/verify steps for "
+                          "blocks of 1..γ+1 tokens, up front (minutes on CPU; docs/engine.md)")
 
 
 def default_of(cls: type, name: str):
@@ -94,11 +96,13 @@ def check_gamma(gamma: int) -> None:
         raise ConfigError(f"--gamma must be >= 1 (draft tokens per round), got {gamma}; for plain decoding use --drafter none")
 
 
-def load_target(target, dtype, backend, weights, device):
-    """Target.load with the backend options (--backend, --weights, --dtype, --device)."""
+def load_target(target, dtype, backend, weights, device, compile: bool = False, gamma: int = DEFAULT_GAMMA):
+    """Target.load with the backend options (--backend, --weights, --dtype, --device, --compile: the
+    steps of 1..γ+1 tokens)."""
     from selfdraft.target import Target
 
-    return Target.load(target, dtype=dtype, backend=backend, weights=weights, device=device)
+    return Target.load(target, dtype=dtype, backend=backend, weights=weights, device=device,
+                       compile=gamma + 1 if compile else 0)
 
 
 def make_scheduler(kind: str, threshold: float | None, cost=None):

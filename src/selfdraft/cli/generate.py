@@ -12,6 +12,7 @@ import typer
 
 from selfdraft.cli.common import (
     BackendOpt,
+    CompileOpt,
     DeviceOpt,
     EngineDtypeOpt,
     GammaOpt,
@@ -70,6 +71,7 @@ def generate(
     backend: str = BackendOpt,
     weights: str = WeightsOpt,
     device: str = DeviceOpt,
+    compile: bool = CompileOpt,
     as_json: bool = typer.Option(False, "--json", help="print exactly one JSON object"),
 ) -> None:
     """Generate an answer with speculative decoding (lossless: same output as the target alone)."""
@@ -86,7 +88,7 @@ def generate(
     check_gamma(gamma)
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, gamma=gamma)
-    tgt = load_target(target, dtype, backend, weights, device)
+    tgt = load_target(target, dtype, backend, weights, device, compile, gamma)
     draft = load_drafter(drafter, tgt)
     sched = scheduler_for(scheduler, tgt, draft, gamma, log=note)
     ids = tgt.encode_prompt(text, chat=chat)
@@ -149,6 +151,7 @@ def demo(
     backend: str = BackendOpt,
     weights: str = WeightsOpt,
     device: str = DeviceOpt,
+    compile: bool = CompileOpt,
 ) -> None:
     """Measure the speedup of speculative over plain decoding on one prompt; lead with it, then show the answer."""
     import torch
@@ -161,7 +164,7 @@ def demo(
     torch.manual_seed(0)
     if drafter == "auto":
         drafter = str(SHIPPED_DSPARK) if (target is None and SHIPPED_DSPARK.is_dir()) else "ngram"
-    tgt = load_target(target, dtype, backend, weights, device)
+    tgt = load_target(target, dtype, backend, weights, device, compile)
     draft, plain = load_drafter(drafter, tgt), load_drafter("none", tgt)
     ids = tgt.encode_prompt(DEMO_PROMPT)
     cfg = GenerationConfig(max_new_tokens=max_new_tokens)

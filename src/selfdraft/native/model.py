@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from selfdraft.native.cache import NativeCache
+from selfdraft.native.ops import rms_norm, rotate
 from selfdraft.native.quant import (
     INT4_GROUP,
     DenseLinear,
@@ -69,26 +70,11 @@ class _Layer:
     window: int | None  # sliding-window size of this layer (None: full attention)
 
 
-def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's RMSNorm, same operation order (float32 statistics, weight applied in the input dtype)."""
-    dtype = x.dtype
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return w * h.to(dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF's rotate-half RoPE. x: [B, n, T, d]; cos, sin: [B, 1, T, d]."""
-    half = x.shape[-1] // 2
-    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rot * sin
-
-
 class NativeModel:
     """The decoder stack + final norm + LM head; embeddings come from the HF model (shared)."""
 
     def __init__(self, hf_model, weights: str = "fp32", gguf: str | Path | None = None, int4_group: int = INT4_GROUP,
-                 gguf_cache: Path | None = None) -> None:
+                 gguf_cache: Path | None = None, compile: int = 0) -> None:
         reason = unsupported_reason(hf_model)
         if reason:
             raise ValueError(f"the native backend does not support {reason}")
@@ -135,6 +121,12 @@ class NativeModel:
         self.lm_head = self._linear([head], None, head_fmt, None, int4_group)
         if self._fallbacks:
             self.notes.append(f"{self._fallbacks} weights stay dense (their shapes do not fit the int4 kernel)")
+        self.compiled = None
+        if compile:  # torch.compile'd steps of 1..compile new tokens (native/compiled.py)
+            from selfdraft.native.compiled import CompiledStep
+
+            self.compiled = CompiledStep(self, compile)
+            self.compiled.warm_up(self)
 
     # ---------------------------------------------------------------- building
     def _linear(self, ws: list[torch.Tensor], bs: list[torch.Tensor | None] | None, fmt: str,
@@ -220,12 +212,11 @@ class NativeModel:
         p0, Lk = int(past[0]), int(past.max()) + T  # key slots attended: [0, Lk)
         if position_ids is None:
             position_ids = past[:, None] + torch.arange(T)
+        if native and self.compiled is not None and T <= self.compiled.max_tokens:
+            return self._compiled_forward(input_ids, cache, feature_layers, position_ids, attention_mask, past, Lk)
         mask = self._mask(past, T, Lk, uniform, attention_mask)
 
-        freqs = position_ids.to(dev)[..., None].float() * self.inv_freq  # [B, T, d/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.rope_scaling).to(self.dtype)[:, None]  # [B, 1, T, d]
-        sin = (emb.sin() * self.rope_scaling).to(self.dtype)[:, None]
+        cos, sin = self._rope(position_ids)
         if native and not uniform:  # ragged rows: scatter each row's block at its own length
             slots = (past[:, None] + torch.arange(T)).to(dev)  # [B, T]
             rows = torch.arange(B, device=dev)[:, None]
@@ -234,14 +225,14 @@ class NativeModel:
         feats: dict[int, torch.Tensor] = {}
         nq, nkv, d = self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.head_dim
         for i, L in enumerate(self.layers):
-            h = _rms_norm(x, L.input_norm, self.eps)
+            h = rms_norm(x, L.input_norm, self.eps)
             q, k, v = L.qkv(h).split([nq, nkv, nkv], dim=-1)
             q = q.view(B, T, self.n_heads, d)
             k = k.view(B, T, self.n_kv, d)
             if L.q_norm is not None:
-                q, k = _rms_norm(q, L.q_norm, self.eps), _rms_norm(k, L.k_norm, self.eps)
-            q = _rotate(q.transpose(1, 2), cos, sin)  # [B, n_q, T, d]
-            k = _rotate(k.transpose(1, 2), cos, sin)  # [B, n_kv, T, d]
+                q, k = rms_norm(q, L.q_norm, self.eps), rms_norm(k, L.k_norm, self.eps)
+            q = rotate(q.transpose(1, 2), cos, sin)  # [B, n_q, T, d]
+            k = rotate(k.transpose(1, 2), cos, sin)  # [B, n_kv, T, d]
             v = v.view(B, T, self.n_kv, d).transpose(1, 2)
             if native:
                 K, V = cache.keys[i], cache.values[i]  # [B, n_kv, cap, d]
@@ -259,14 +250,51 @@ class NativeModel:
             m = mask if L.window is None else self._window(mask, past, T, Lk, L.window, attention_mask)
             a = F.scaled_dot_product_attention(q, K, V, attn_mask=m, scale=self.scale, enable_gqa=self.n_kv != self.n_heads)
             x = x + L.o(a.transpose(1, 2).reshape(B, T, nq))
-            h = _rms_norm(x, L.post_norm, self.eps)
+            h = rms_norm(x, L.post_norm, self.eps)
             g, u = L.gate_up(h).chunk(2, dim=-1)
             x = x + L.down(F.silu(g) * u)
             if i in feature_layers:
                 feats[i] = x
         if native:
             cache.lengths = [n + T for n in cache.lengths]
-        return NativeStep(last_hidden=_rms_norm(x, self.norm, self.eps), features=[feats[i] for i in feature_layers])
+        return NativeStep(last_hidden=rms_norm(x, self.norm, self.eps), features=[feats[i] for i in feature_layers])
+
+    def _rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids [B, T] -> cos, sin [B, 1, T, d] (HF's rope tables, scaled)."""
+        freqs = position_ids.to(self.device)[..., None].float() * self.inv_freq  # [B, T, d/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.rope_scaling).to(self.dtype)[:, None]
+        sin = (emb.sin() * self.rope_scaling).to(self.dtype)[:, None]
+        return cos, sin
+
+    def _compiled_forward(self, input_ids, cache: NativeCache, feature_layers, position_ids, given, past, Lk) -> NativeStep:
+        """The compiled step: the block attends to the cache's whole capacity S (static per capacity,
+        so the graph does not change with the context); the mask hides slots past each row's own
+        length (stale keys of rolled-back drafts, other rows' longer blocks)."""
+        B, T = input_ids.shape
+        S, dev = cache.capacity, self.device
+        j = torch.arange(S)
+        qpos = past[:, None] + torch.arange(T)  # [B, T] slot of each new token
+        visible = j[None, None, :] <= qpos[:, :, None]  # [B, T, S]
+        if given is not None and given.dim() == 4:  # a tree's ancestry over [0, Lk), used as is
+            g = given.bool() if given.dtype == torch.bool else given == 0
+            visible = torch.zeros(B, T, S, dtype=torch.bool)
+            visible[:, :, :Lk] = g[:, 0].cpu()
+        elif given is not None:  # 2D padding mask [B, past + T]
+            visible[:, :, :Lk] &= given.bool().cpu()[:, None, :Lk]
+        near = None
+        windows = {L.window for L in self.layers if L.window is not None}
+        if windows:
+            (w,) = windows  # one sliding-window size per model (Mistral, Qwen2/3)
+            near = (visible & (j[None, None, :] > qpos[:, :, None] - w))[:, None].to(dev)
+            if given is not None and given.dim() == 4:
+                near = visible[:, None].to(dev)  # a caller's 4D mask is used as is (as HF does)
+        cos, sin = self._rope(position_ids)
+        x = self.embed_tokens(input_ids)  # [B, T, H]
+        last, feats = self.compiled(x, cos, sin, visible[:, None].to(dev), near, torch.arange(B, device=dev)[:, None],
+                                    qpos.to(dev), cache.keys, cache.values)
+        cache.lengths = [n + T for n in cache.lengths]
+        return NativeStep(last_hidden=last, features=[feats[i] for i in feature_layers])
 
     def _mask(self, past: torch.Tensor, T: int, Lk: int, uniform: bool, given: torch.Tensor | None) -> torch.Tensor | None:
         """[B, 1, T, Lk] (True = visible) or None when every cached key and the whole block are visible.

@@ -1,0 +1,149 @@
+"""An opt-in torch.compile'd decode/verify step for the native stack (`--compile`).
+
+What is compiled: the decoder layers + final norm for one block of T new tokens on a NativeCache
+(x [B, T, H] in, last hidden and feature layers out), with the KV writes inside. What stays eager
+Python: the cache bookkeeping (lengths, capacity), positions, rope tables and the mask, so the
+graph sees only tensors. Shapes are kept static per block length T: the block attends to the
+cache's whole capacity (a power of two from 256) under a mask that hides every slot past a row's
+own length, and the capacity dimension is marked dynamic, so one graph serves every context and
+rollback / ragged rows change only input values, never the graph. The block lengths the loop uses,
+T = 1..max_tokens (γ + 1), are compiled up front by `warm_up` (one note on stderr says how long it
+took); longer blocks (prefill) run the eager stack, and a shape seen later (a ragged batch of 2
+rows) compiles on first use with its own note.
+
+Weights are registered as buffers of one nn.Module so inductor's freezing folds them in as
+constants (its CPU GEMM templates and weight prepacking need them constant).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from selfdraft.native.ops import rms_norm, rotate
+from selfdraft.native.quant import DenseLinear
+
+MODES = ("default", "max-autotune", "reduce-overhead")
+
+
+class _Stack(torch.nn.Module):
+    """NativeModel.forward's layer loop on a NativeCache, every weight a buffer (dense weights only);
+    tests/test_compile.py keeps the two equal."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.d = model.n_heads, model.n_kv, model.head_dim
+        self.eps, self.scale = model.eps, model.scale
+        self.windows = [L.window for L in model.layers]
+        self.has_qk_norm = model.layers[0].q_norm is not None
+        for i, L in enumerate(model.layers):
+            for name in ("input_norm", "q_norm", "k_norm", "post_norm"):
+                self.register_buffer(f"l{i}_{name}", getattr(L, name))
+            for name in ("qkv", "o", "gate_up", "down"):
+                lin = getattr(L, name)
+                self.register_buffer(f"l{i}_{name}_w", lin.weight_t)  # [K, N]
+                self.register_buffer(f"l{i}_{name}_b", lin.bias)
+        self.register_buffer("norm", model.norm)
+
+    def _lin(self, x: torch.Tensor, i: int, name: str) -> torch.Tensor:
+        y = x @ getattr(self, f"l{i}_{name}_w")
+        b = getattr(self, f"l{i}_{name}_b")
+        return y if b is None else y + b
+
+    def forward(self, x, cos, sin, mask, near, rows, slots, keys: list[torch.Tensor], values: list[torch.Tensor]):
+        """x [B, T, H]; cos, sin [B, 1, T, d]; mask, near [B, 1, T, S] bool (near: the sliding-window
+        mask, or None); rows [B, 1], slots [B, T] long: where each new key goes; keys[i], values[i]
+        [B, n_kv, S, d] written in place. -> (last hidden [B, T, H], every layer's output [B, T, H]: one
+        graph for every choice of feature layers)."""
+        B, T, _ = x.shape
+        nq, nkv, d = self.n_heads * self.d, self.n_kv * self.d, self.d
+        feats = []
+        for i in range(len(keys)):
+            h = rms_norm(x, getattr(self, f"l{i}_input_norm"), self.eps)
+            q, k, v = self._lin(h, i, "qkv").split([nq, nkv, nkv], dim=-1)
+            q = q.view(B, T, self.n_heads, d)
+            k = k.view(B, T, self.n_kv, d)
+            if self.has_qk_norm:
+                q = rms_norm(q, getattr(self, f"l{i}_q_norm"), self.eps)
+                k = rms_norm(k, getattr(self, f"l{i}_k_norm"), self.eps)
+            q = rotate(q.transpose(1, 2), cos, sin)
+            k = rotate(k.transpose(1, 2), cos, sin)
+            v = v.view(B, T, self.n_kv, d)
+            keys[i][rows, :, slots] = k.transpose(1, 2)
+            values[i][rows, :, slots] = v
+            m = mask if self.windows[i] is None else near
+            a = F.scaled_dot_product_attention(q, keys[i], values[i], attn_mask=m, scale=self.scale,
+                                               enable_gqa=self.n_kv != self.n_heads)
+            x = x + self._lin(a.transpose(1, 2).reshape(B, T, nq), i, "o")
+            h = rms_norm(x, getattr(self, f"l{i}_post_norm"), self.eps)
+            g, u = self._lin(h, i, "gate_up").chunk(2, dim=-1)
+            x = x + self._lin(F.silu(g) * u, i, "down")
+            feats.append(x)
+        return rms_norm(x, self.norm, self.eps), feats
+
+
+def refusal(model) -> str | None:
+    """Why --compile cannot run this native stack (None: it can)."""
+    lins = [getattr(L, n) for L in model.layers for n in ("qkv", "o", "gate_up", "down")]
+    if not all(isinstance(lin, DenseLinear) for lin in lins):
+        return f"--compile needs dense weights (fp32 / bf16), not {model.weights}"
+    return None
+
+
+class CompiledStep:
+    """Compiled forwards of T = 1..max_tokens new tokens; other T (prefill) run eagerly."""
+
+    def __init__(self, model, max_tokens: int, mode: str | None = None) -> None:
+        mode = mode or ("reduce-overhead" if model.device.type == "cuda" else "max-autotune")
+        if mode not in MODES:
+            raise ValueError(f"compile mode must be one of {MODES}, got {mode!r}")
+        reason = refusal(model)
+        if reason:
+            raise ValueError(reason)
+        self.max_tokens = max_tokens
+        self.mode = mode
+        self.stack = _Stack(model)
+        self.fn = torch.compile(self.stack, mode=None if mode == "default" else mode)
+        self.seen: set[tuple] = set()  # (B, T) compiled
+        self.warming = False
+
+    def __call__(self, x, cos, sin, mask, near, rows, slots, keys, values):
+        key = (x.shape[0], x.shape[1])
+        for t in keys + values:
+            torch._dynamo.mark_dynamic(t, 2)
+            if self.mode == "reduce-overhead":  # CUDA graphs replay in place on the cache only at fixed addresses
+                torch._dynamo.mark_static_address(t)
+        torch._dynamo.mark_dynamic(mask, 3)
+        if near is not None:
+            torch._dynamo.mark_dynamic(near, 3)
+        t0 = time.perf_counter()
+        # freezing: read by dynamo while tracing (it then guards on the weights' identity) and by
+        # inductor, so it is set around the call that compiles, not passed as a compile option
+        with torch._dynamo.config.patch(automatic_dynamic_shapes=False, recompile_limit=64), \
+                torch._inductor.config.patch(freezing=True):
+            out = self.fn(x, cos, sin, mask, near, rows, slots, keys, values)
+        if key not in self.seen:
+            self.seen.add(key)
+            if not self.warming:
+                print(f"note: compiled native step for {key[0]} x T={key[1]} in {time.perf_counter() - t0:.1f} s",
+                      file=sys.stderr)
+        return out
+
+    @torch.inference_mode()
+    def warm_up(self, model) -> float:
+        """Compile T = 1..max_tokens for one row now (seconds)."""
+        t0 = time.perf_counter()
+        cache = model.new_cache()
+        self.warming = True
+        try:
+            for T in range(1, self.max_tokens + 1):
+                model.forward(torch.zeros(1, T, dtype=torch.long), cache)
+                cache.rollback(0)
+        finally:
+            self.warming = False
+        dt = time.perf_counter() - t0
+        print(f"note: compiled native step for T=1..{self.max_tokens} in {dt:.0f} s ({self.mode})", file=sys.stderr)
+        return dt
