@@ -12,7 +12,7 @@ from selfdraft import methods
 from selfdraft.config import GenerationConfig, SamplingParams
 from selfdraft.decode import Speculation, generate
 from selfdraft.drafters.base import Drafter, Proposal, propose_all
-from selfdraft.engine import Engine, PaddedCache, engine_throughput
+from selfdraft.engine import Engine, PaddedCache, engine_throughput, pad_group
 from selfdraft.methods.dspark.config import DSparkConfig
 from selfdraft.methods.ngram.drafter import NgramDrafter
 from selfdraft.methods.none.drafter import NoDrafter
@@ -137,23 +137,28 @@ def test_calibration_rounds_are_decoding_rounds(target):
 
 
 def test_generate_engine_and_calibration_commit_through_speculation(target, monkeypatch):
-    """The three callers hand every round to `Speculation.commit` (none keeps its own copy of it)."""
+    """The three callers hand every round to `Speculation.commit` and every first token to
+    `Speculation.start` (none keeps its own copy of them)."""
     calls: list[int] = []
-    real = Speculation.commit
+    starts: list[int] = []
+    real, real_start = Speculation.commit, Speculation.start
     monkeypatch.setattr(Speculation, "commit", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    monkeypatch.setattr(Speculation, "start", lambda self, *a, **k: starts.append(1) or real_start(self, *a, **k))
     make, cfg = makers(target)["dspark"], GenerationConfig(max_new_tokens=12, gamma=4)
     assert len(generate(target, make(), PROMPTS[0], SamplingParams(), cfg).rounds) == len(calls) > 0
+    assert len(starts) == 1
     calls.clear()
     engine = Engine(target)
     ids = [engine.add_request(p, make(), config=cfg) for p in PROMPTS[:2]]
     results = engine.run()
     assert len(calls) == sum(len(results[i].rounds) for i in ids) > 0
+    assert len(starts) == 3
     calls.clear()
     assert collect_rounds(target, make(), [PROMPTS[0]], SamplingParams(), max_new_tokens=12).z.shape[0] == len(calls) > 0
 
 
 def test_cancel_and_max_concurrency(target):
-    engine = Engine(target, max_concurrency=2)
+    engine = Engine(target, max_concurrency=2, prefill_pad_slack=float("inf"))  # a and b join in one prefill
     a = engine.add_request(PROMPTS[0], NgramDrafter(target), config=GenerationConfig(max_new_tokens=40))
     b = engine.add_request(PROMPTS[1], NgramDrafter(target), config=GenerationConfig(max_new_tokens=10))
     c = engine.add_request(PROMPTS[2], NgramDrafter(target), config=GenerationConfig(max_new_tokens=10))
@@ -173,7 +178,7 @@ def test_compaction_keeps_each_rows_valid_slots_in_order():
     for P in (3, 5):
         row = target.new_cache()
         target.forward(torch.arange(P)[None], row)
-        kv.add_row(row)
+        kv.add_rows(row, torch.ones(1, P, dtype=torch.bool), [0])
     keys = kv.cache.layers[0].keys.clone()  # [2, n_kv, 5, d]
     kv.valid[0, 1] = kv.valid[1, 0] = False
     kv.compact(slack=0)
@@ -296,3 +301,110 @@ def test_penalties_and_logit_bias_greedy_equal_a_slow_reference(target):
         for kind in ("none", "ngram", "dspark"):
             assert generate(target, makers(target)[kind](), p, params, cfg).token_ids == expected[i], kind
         assert engine.results[ids[i]].token_ids == expected[i]
+
+
+# ---------------------------------------------------------------- batched, chunked prefill
+RAGGED = [[(7 * i + 3) % 64 for i in range(n)] for n in (23, 3, 41, 1, 17)]  # longer and shorter than CHUNK
+CHUNK = 8
+
+
+def _count_forwards(target, monkeypatch) -> list[tuple[int, int]]:
+    """Record the input shape [B, T] of every target forward."""
+    shapes: list[tuple[int, int]] = []
+    real = Target.forward
+    monkeypatch.setattr(Target, "forward", lambda self, ids, *a, **k: shapes.append(tuple(ids.shape)) or real(self, ids, *a, **k))
+    return shapes
+
+
+@pytest.mark.parametrize("backend", ["hf", "native"])
+def test_batched_chunked_prefill_equals_single_request_prefill(target, backend, monkeypatch):
+    """Ragged prompts in one batched prefill, chunk by chunk over the rows still having tokens:
+    each row's first-token logits, feature layers, last hidden states and cached keys/values equal
+    its own single-request prefill's (float32, max |Δ| <= 1e-5)."""
+    from selfdraft.engine import batched_prefill
+
+    tgt = target.with_backend(backend)
+    shapes = _count_forwards(tgt, monkeypatch)
+    pre = batched_prefill(tgt, RAGGED, FEATS, CHUNK)
+    # chunks of 8 columns over the 41-token longest prompt, each over the rows with tokens in it
+    assert shapes == [(5, 8), (3, 8), (3, 8), (1, 8), (1, 8), (1, 1)]
+    for r, p in enumerate(RAGGED):
+        cache = tgt.new_cache(dynamic=True)
+        ref = tgt.forward(torch.tensor([p]), cache, FEATS, last_only=True)
+        got = pre.row(r, FEATS)
+        assert got.logits.shape == ref.logits.shape == (1, 1, 64)
+        assert (got.logits - ref.logits).abs().max() <= 1e-5
+        assert got.features.shape == ref.features.shape and (got.features - ref.features).abs().max() <= 1e-5
+        assert (got.last_hidden - ref.last_hidden).abs().max() <= 1e-5
+        assert pre.row(r, (2,)).features.shape == (1, len(p), 1, 32)  # its own layers only
+        assert torch.equal(pre.row(r, (2,)).features, got.features[:, :, 1:])
+        assert pre.valid[r].sum() == len(p) and pre.valid[r, : len(p)].all()
+        for layer, own in zip(pre.cache.layers, cache.layers):
+            assert (layer.keys[r, :, : len(p)] - own.keys[0]).abs().max() <= 1e-5
+            assert (layer.values[r, :, : len(p)] - own.values[0]).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("backend", ["hf", "native"])
+def test_batched_prefill_engine_equals_generate_for_every_drafter(target, backend, monkeypatch):
+    """Ragged prompts joining together, prefilled in one batched forward per chunk (chunk smaller
+    than the prompts): every request's output equals its single-request `generate`, for every
+    drafter kind (chains, trees, feature layers or none), alone per kind and all kinds in one batch
+    (any padding allowed), and with the default padding slack (the prompts join in length groups)."""
+    tgt = target.with_backend(backend)
+    cfg = GenerationConfig(max_new_tokens=12, gamma=4)
+    kinds = every_drafter(tgt)
+    expected = {(k, i): generate(tgt, make(), p, SamplingParams(), cfg).token_ids
+                for k, make in kinds.items() for i, p in enumerate(RAGGED)}
+    shapes = _count_forwards(tgt, monkeypatch)
+    batches = [[(k, i) for i in range(len(RAGGED))] for k in kinds]
+    batches.append([(k, i % len(RAGGED)) for i, k in enumerate(kinds)])  # every kind in one batch
+    for batch in batches:
+        engine = Engine(tgt, prefill_chunk=CHUNK, prefill_pad_slack=float("inf"))
+        ids = {engine.add_request(RAGGED[i], kinds[k](), config=cfg): (k, i) for k, i in batch}
+        shapes.clear()
+        first = engine.step()  # the admission step: first tokens only, one forward per chunk
+        assert [len(o.new_tokens) for o in first] == [1] * len(batch) and all(o.round is None for o in first)
+        longest = max(len(RAGGED[i]) for _, i in batch)
+        assert len(shapes) == -(-longest // CHUNK) and shapes[0][0] == len(batch)
+        results = engine.run()
+        for rid, key in ids.items():
+            assert results[rid].token_ids == expected[key], key
+    engine = Engine(tgt, prefill_chunk=CHUNK)
+    ids = {engine.add_request(RAGGED[i], kinds[k](), config=cfg): (k, i) for k, i in batches[-1]}
+    results = engine.run()
+    for rid, key in ids.items():
+        assert results[rid].token_ids == expected[key], key
+
+
+def test_pad_group_takes_the_shortest_prompts_within_the_padding_slack():
+    lengths = [170, 52, 87, 53, 105, 60, 177, 70, 74, 78, 83]  # arrival order
+    assert sorted(lengths[i] for i in pad_group(lengths, 0.25)) == [52, 53, 60, 70, 74, 78, 83, 87]  # 8 x 87 <= 1.25 x 557
+    assert pad_group(lengths, 0.0) == [1]  # no padding: one length at a time
+    assert pad_group([5, 5, 9, 5], 0.0) == [0, 1, 3]
+    assert sorted(pad_group(lengths, float("inf"))) == list(range(len(lengths)))
+
+
+class BadLayers(Drafter):
+    """A drafter asking for a feature layer the target does not have: the target forward raises."""
+
+    name = "bad-layers"
+    feature_layers = (99,)
+
+
+def test_a_failing_batched_prefill_falls_back_to_one_prefill_per_request(target):
+    """A request that makes the batched prefill forward raise fails alone: the others are prefilled
+    one by one and finish with their single-request output."""
+    cfg = GenerationConfig(max_new_tokens=10, gamma=4)
+    make = makers(target)["dspark"]
+    engine = Engine(target, prefill_chunk=CHUNK, prefill_pad_slack=float("inf"))  # one batch of 4
+    good = {engine.add_request(RAGGED[0], make(), config=cfg): 0, engine.add_request(RAGGED[2], make(), config=cfg): 2}
+    bad = engine.add_request(RAGGED[1], BadLayers(), config=cfg)
+    good[engine.add_request(RAGGED[4], NgramDrafter(target), config=cfg)] = 4
+    out = engine.step()
+    assert [o.request_id for o in out if o.finish_reason == "error"] == [bad]
+    assert "feature layers" in str(next(o.error for o in out if o.request_id == bad))
+    assert len(engine.active) == 3
+    results = engine.run()
+    for rid, i in good.items():
+        kind = "ngram" if i == 4 else "dspark"
+        assert results[rid].token_ids == generate(target, makers(target)[kind](), RAGGED[i], SamplingParams(), cfg).token_ids

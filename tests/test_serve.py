@@ -664,6 +664,7 @@ def test_a_cancelled_request_frees_its_slot_at_once(target):
 
 
 @pytest.mark.parametrize("args,match", [(["--max-concurrency", "0"], "max-concurrency"),
+                                        (["--prefill-chunk", "0"], "prefill-chunk"),
                                         (["--scheduler", "psychic"], "scheduler"),
                                         (["--drafter", "warp-drive"], "unknown drafter")])
 def test_serve_command_reports_bad_options_without_traceback(model_dir, args, match):

@@ -37,6 +37,9 @@ DEFAULT_GAMMA = 7
 # 0.1 tok/s with 2, whose threads wait on each other when a core is taken. An idle machine may gain
 # from --threads <its cores>; a busy one loses 10-100x with more threads than free cores.
 DEFAULT_THREADS = 1
+# Prompt tokens per row in one prefill forward of the batched engine (`--prefill-chunk`): the
+# requests joining at a step are prefilled together, longer prompts chunk by chunk (docs/engine.md).
+DEFAULT_PREFILL_CHUNK = 512
 
 
 # Temperatures below float32's smallest normal number cannot take part in float32 arithmetic (they

@@ -4,8 +4,9 @@
 forward -> verify -> commit -> observe -> roll back. Its three callers share that code:
 
 - `generate` (below): `prefill`, then `round` until done, on the request's own KV cache;
-- the batched engine (engine.py): `clip` and `block` per request, ONE padded target forward for
-  all of them, then `commit` per request; the engine keeps each request's `kept_rows` in its cache;
+- the batched engine (engine.py): ONE prefill forward for the joining requests, then `start` per
+  request; per round `clip` and `block` per request, ONE padded target forward for all of them,
+  then `commit` per request; the engine keeps each request's `kept_rows` in its cache;
 - DSpark calibration (training/calibrate.py): `round` with a full block its own code drafts.
 """
 
@@ -177,11 +178,19 @@ class Speculation:
         return min(self.config.gamma, self.config.max_new_tokens - len(self.out) - 1)
 
     def prefill(self, cache) -> list[int]:
-        """One forward over the prompt [1, P] (logits at the last position only) -> the first token,
-        chosen by the same `verify` with an empty proposal, so it follows p exactly. The cache then
-        holds the prompt; the first token is round 1's anchor."""
+        """One forward over the prompt [1, P] into `cache` (logits at the last position only), then
+        `start`. The batched engine runs its own forward for several prompts (engine.batched_prefill)
+        and calls `start` per request."""
         self.t_start = time.perf_counter()
         step = self.target.forward(torch.tensor([self.prompt]), cache, self.drafter.feature_layers, last_only=True)
+        return self.start(step)
+
+    def start(self, step: TargetStep) -> list[int]:
+        """The first token from the prompt's forward -> [first token]. step: [1, P, ...] with this
+        drafter's feature layers and the last hidden state at every prompt position, and the logits
+        of the last prompt position ([1, 1, V]). The token is chosen by the same `verify` with an
+        empty proposal, so it follows p exactly; it is round 1's anchor. The drafter begins on the
+        prompt's states. Set `t_start` before the forward (prefill_s counts from it)."""
         self.out.append(verify(step.logits[0, -1:], Proposal.empty(), self.params, self.generator, ()).next_token)
         self.drafter.begin(list(self.prompt), step)
         self.drafter.prompt_len = len(self.prompt)

@@ -247,13 +247,15 @@ class Target:
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         last_only: bool = False,
+        logits_at: torch.Tensor | None = None,
     ) -> TargetStep:
         """input_ids: [B, T] new tokens appended after what `cache` holds.
 
         feature_layers are 0-based decoder layer indices (< num_layers - 1); their outputs are
         hidden_states[i + 1] in HF's convention. attention_mask may be 2D [B, past + T] padding
         or a 4D additive/boolean mask for tree verification. last_only computes logits only
-        at the last position (prefill).
+        at the last position (prefill); logits_at [B] only at one position per row (a ragged
+        batched prefill: each prompt's last token), logits [B, 1, V] either way.
         """
         if any(not 0 <= i < self.num_layers - 1 for i in feature_layers):
             raise ConfigError(f"feature layers {feature_layers} must be in [0, {self.num_layers - 2}]")
@@ -261,7 +263,7 @@ class Target:
             st = self.native.forward(input_ids, cache, feature_layers, position_ids, attention_mask)
             last = st.last_hidden  # [B, T, H]
             feats = torch.stack(st.features, dim=2) if feature_layers else None
-            logits = self.native.logits(last[:, -1:] if last_only else last)
+            logits = self.native.logits(_logit_rows(last, last_only, logits_at))
             return TargetStep(logits=logits, features=feats, last_hidden=last)
         dev = self.model.device
         input_ids = input_ids.to(dev)
@@ -279,7 +281,7 @@ class Target:
         feats = None
         if feature_layers:
             feats = torch.stack([out.hidden_states[i + 1] for i in feature_layers], dim=2)
-        logits = self.lm_head(last[:, -1:] if last_only else last)
+        logits = self.lm_head(_logit_rows(last, last_only, logits_at))
         return TargetStep(logits=logits, features=feats, last_hidden=last)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -342,6 +344,13 @@ class Target:
             "fingerprint": self.fingerprint(),
             "weights": self.weights,
         }
+
+
+def _logit_rows(last: torch.Tensor, last_only: bool, at: torch.Tensor | None) -> torch.Tensor:
+    """The hidden states [B, T, H] whose logits a forward computes: all, the last, or one per row."""
+    if at is not None:
+        return last[torch.arange(last.shape[0], device=last.device), at.to(last.device)][:, None]  # [B, 1, H]
+    return last[:, -1:] if last_only else last
 
 
 def _fp16_kernel_fits(model) -> bool:

@@ -24,7 +24,7 @@ from selfdraft.cli.common import (
     set_threads,
     note,
 )
-from selfdraft.config import ConfigError
+from selfdraft.config import DEFAULT_PREFILL_CHUNK, ConfigError
 
 
 def register(app: typer.Typer) -> None:
@@ -40,6 +40,8 @@ def serve_cmd(
     port: int = typer.Option(8000, "--port"),
     max_concurrency: int = typer.Option(16, "--max-concurrency", help="requests in flight (running + queued); more get 429"),
     max_batch: Optional[int] = typer.Option(None, "--max-batch", help="requests decoded together (default: --max-concurrency)"),
+    prefill_chunk: int = typer.Option(DEFAULT_PREFILL_CHUNK, "--prefill-chunk",
+                                      help="prompt tokens per row in one prefill forward (joining requests are prefilled together; longer prompts chunk by chunk)"),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SELFDRAFT_API_KEY", help="require 'Authorization: Bearer KEY'"),
     model_name: Optional[str] = typer.Option(None, "--model-name", help="the `model` clients send (default: the target's name)"),
     gamma: int = GammaOpt,
@@ -58,8 +60,8 @@ def serve_cmd(
     from selfdraft.serve import EngineLoop, ServerMetrics, create_app, run_server
 
     set_threads(threads)
-    if max_concurrency < 1 or (max_batch is not None and max_batch < 1) or max_body_size < 1:
-        raise ConfigError("--max-concurrency, --max-batch and --max-body-size must be >= 1")
+    if max_concurrency < 1 or (max_batch is not None and max_batch < 1) or max_body_size < 1 or prefill_chunk < 1:
+        raise ConfigError("--max-concurrency, --max-batch, --prefill-chunk and --max-body-size must be >= 1")
     check_gamma(gamma)
     tgt = load_target(target, dtype, backend, weights, device)
     make = drafter_factory(drafter, tgt)
@@ -67,7 +69,7 @@ def serve_cmd(
     sched = scheduler_for(scheduler, tgt, make(), gamma, threshold, log=note, batch_tokens=min(128, batch * (gamma + 1)))
     name = model_name or Path(tgt.name).name
     runner = EngineLoop(tgt, make, make().name, sched, batch, max_concurrency,
-                        ServerMetrics(gamma))
+                        ServerMetrics(gamma), prefill_chunk)
     print(f"serving {name!r} with drafter {runner.drafter_name} ({drafter}), scheduler {sched.kind if sched else 'fixed'}, on "
           f"http://{host}:{port}/v1{' (API key required)' if api_key else ''}", file=sys.stderr)
     run_server(create_app(runner, name, api_key, gamma=gamma, shutdown_grace_s=shutdown_grace,

@@ -2,7 +2,8 @@
 
 HTTP handlers (asyncio) call `submit` / `cancel`, which only put commands on a thread-safe inbox.
 Between engine steps the thread takes the inbox (new requests join the batch, cancelled ones
-leave it: continuous batching), runs one step, turns each request's committed tokens into text
+leave it: continuous batching; the requests taken together are prefilled in one batched
+forward at the next step, which returns their first tokens), runs one step, turns each request's committed tokens into text
 (`TextStream`: stop strings, multi-byte characters) and hands a `Delta` to the request's own
 asyncio queue with `loop.call_soon_threadsafe`. A request that hits a stop string is cancelled in
 the engine at once, so its slot is free for the next step.
@@ -19,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from selfdraft.config import GenerationConfig, SamplingParams
+from selfdraft.config import DEFAULT_PREFILL_CHUNK, GenerationConfig, SamplingParams
 from selfdraft.decode import RoundStats
 from selfdraft.drafters.base import Drafter
 from selfdraft.engine import Engine, StepOutput
@@ -128,12 +129,14 @@ class EngineLoop:
         max_batch: int = 16,
         max_concurrency: int = 16,
         metrics: ServerMetrics | None = None,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     ) -> None:
         self.target = target
         self.make_drafter = make_drafter
         self.drafter_name = drafter_name
         self.max_concurrency = max_concurrency
-        self.engine = Engine(target, scheduler, max_concurrency=max_batch)
+        self.prefill_chunk = prefill_chunk
+        self.engine = Engine(target, scheduler, max_concurrency=max_batch, prefill_chunk=prefill_chunk)
         self.metrics = metrics or ServerMetrics(gamma=GenerationConfig().gamma)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count()
@@ -299,7 +302,7 @@ class EngineLoop:
         Otherwise they stay queued and join the fresh engine."""
         for live in list(self._live.values()):
             self._finish(live, reason, error=message)
-        self.engine = Engine(self.target, self.engine.scheduler, self.engine.max_concurrency)
+        self.engine = Engine(self.target, self.engine.scheduler, self.engine.max_concurrency, prefill_chunk=self.prefill_chunk)
         while inbox:
             try:
                 cmd, h = self._inbox.get_nowait()
