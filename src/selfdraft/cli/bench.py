@@ -10,22 +10,15 @@ from typing import Optional
 import typer
 
 from selfdraft.cli.common import (
-    BackendOpt,
-    CompileOpt,
-    DeviceOpt,
-    EngineDtypeOpt,
     SchedulerOpt,
-    TargetOpt,
-    ThreadsOpt,
+    TargetOptions,
     ThresholdOpt,
-    WeightsOpt,
     check_gamma,
     command,
     default_of,
     int_list,
-    load_target,
     make_scheduler,
-    set_threads,
+    with_target_options,
 )
 from selfdraft.config import DEFAULT_GAMMA, GenerationConfig, SamplingParams
 
@@ -35,9 +28,10 @@ def register(app: typer.Typer) -> None:
     command(app, "profile")(profile_cmd)
 
 
+@with_target_options(compile=True)
 def bench_cmd(
+    target_options: TargetOptions,
     out: Path = typer.Option(..., "--out", "-o", help="output dir: results.json, report.md, PNG plots"),
-    target: Optional[str] = TargetOpt,
     drafters: str = typer.Option("none,ngram", "--drafters", help="comma list: NAME | LABEL:DIR | DIR (checkpoint), each with an optional @SCHEDULER"),
     datasets: str = typer.Option("mt-bench,humaneval,gsm8k", "--datasets", help="comma list of bundled names or JSONL paths"),
     num_prompts: int = typer.Option(10, "--num-prompts", help="first N prompts of each dataset"),
@@ -48,12 +42,6 @@ def bench_cmd(
     repeats: int = typer.Option(1, "--repeats", help="passes over the prompts; tokens/s = median"),
     seed: int = typer.Option(0, "--seed"),
     peers: bool = typer.Option(True, "--peers/--no-peers", help="also run HF generate(), HF prompt lookup and llama.cpp (plain, n-gram; when installed)"),
-    threads: int = ThreadsOpt,
-    dtype: Optional[str] = EngineDtypeOpt,
-    backend: str = BackendOpt,
-    weights: str = WeightsOpt,
-    device: str = DeviceOpt,
-    compile: bool = CompileOpt,
     scheduler: str = SchedulerOpt,
     as_json: bool = typer.Option(False, "--json", help="print results.json to stdout"),
 ) -> None:
@@ -62,14 +50,13 @@ def bench_cmd(
 
     from selfdraft.bench import BenchConfig, load_prompt_set, markdown_table, parse_drafter_spec, run_bench, write_report
 
-    set_threads(threads)
     check_gamma(gamma)
     cfg = BenchConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, gamma=gamma,
                       repeats=repeats, seed=seed, peers=peers, scheduler=scheduler,
                       command=shlex.join(["selfdraft", *sys.argv[1:]]))
     sets = [load_prompt_set(s.strip(), num_prompts) for s in datasets.split(",") if s.strip()]
     specs = [parse_drafter_spec(s) for s in drafters.split(",") if s.strip()]
-    tgt = load_target(target, dtype, backend, weights, device, compile, gamma)
+    tgt = target_options.load(gamma)
     results = run_bench(tgt, specs, sets, cfg)
     paths = write_report(results, out)
     if as_json:
@@ -79,17 +66,13 @@ def bench_cmd(
         print(f"wall {results.wall_s:.0f}s -> {out}/ ({', '.join(p.name for p in paths.values())})", file=sys.stderr)
 
 
+@with_target_options(compile=False)
 def profile_cmd(
-    target: Optional[str] = TargetOpt,
-    dtype: Optional[str] = EngineDtypeOpt,
-    backend: str = BackendOpt,
-    weights: str = WeightsOpt,
-    device: str = DeviceOpt,
+    target_options: TargetOptions,
     max_tokens: int = typer.Option(128, "--max-tokens", help="largest B measured (the engine sees up to R_max·(γ+1))"),
     kv_len: int = typer.Option(256, "--kv-len", help="cached tokens each measured forward attends to"),
     repeats: int = typer.Option(5, "--repeats", help="timed forwards per B (the fastest is kept)"),
     measure: bool = typer.Option(True, "--measure/--no-measure", help="--no-measure: reuse the stored profile"),
-    threads: int = ThreadsOpt,
     engine: Optional[str] = typer.Option(None, "--engine", help="also measure engine throughput with this drafter (name or DIR)"),
     concurrency: str = typer.Option("1,4,16", "--concurrency", help="engine: comma list of concurrent requests"),
     schedulers: str = typer.Option("fixed,threshold,hardware", "--schedulers", help="engine: comma list"),
@@ -106,10 +89,9 @@ def profile_cmd(
     from selfdraft.engine import drafter_factory, engine_throughput
     from selfdraft.profile import geometric_batch_tokens, load_profile, measure_sps, plot_profile, profile_path, save_profile
 
-    set_threads(threads)
     if engine is not None:
         check_gamma(gamma)
-    tgt = load_target(target, dtype, backend, weights, device)
+    tgt = target_options.load()
     path = profile_path(tgt, tgt.profile_key)
     if measure:
         prof = measure_sps(tgt, tgt.profile_key, geometric_batch_tokens(max_tokens), kv_len, repeats)

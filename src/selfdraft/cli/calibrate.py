@@ -10,17 +10,11 @@ from typing import Optional
 import typer
 
 from selfdraft.cli.common import (
-    BackendOpt,
-    DeviceOpt,
-    EngineDtypeOpt,
-    TargetOpt,
-    ThreadsOpt,
-    WeightsOpt,
+    TargetOptions,
     command,
     default_of,
-    load_target,
-    set_threads,
     warn,
+    with_target_options,
 )
 from selfdraft.config import ConfigError, SamplingParams
 
@@ -29,9 +23,10 @@ def register(app: typer.Typer) -> None:
     command(app, "calibrate")(calibrate_cmd)
 
 
+@with_target_options(compile=False)
 def calibrate_cmd(
+    target_options: TargetOptions,
     drafter: Path = typer.Option(..., "--drafter", "-d", help="DSpark checkpoint dir (updated in place, atomically)"),
-    target: Optional[str] = TargetOpt,
     data: Optional[Path] = typer.Option(None, "--data", help="regenerated dataset dir: prompts of its --split"),
     split: str = typer.Option("val", "--split", help="dataset split used with --data"),
     prompts: Optional[str] = typer.Option(None, "--prompts", help="or: a JSONL of {\"turns\": [...]} lines"),
@@ -41,11 +36,6 @@ def calibrate_cmd(
     top_p: float = typer.Option(default_of(SamplingParams, "top_p"), "--top-p"),
     top_k: int = typer.Option(default_of(SamplingParams, "top_k"), "--top-k", help="0 = off"),
     seed: int = typer.Option(0, "--seed"),
-    threads: int = ThreadsOpt,
-    dtype: Optional[str] = EngineDtypeOpt,
-    backend: str = BackendOpt,
-    weights: str = WeightsOpt,
-    device: str = DeviceOpt,
 ) -> None:
     """Fit T_k (Sequential Temperature Scaling) on held-out rounds; store them in the checkpoint with
     calibration.json and a reliability diagram per position (ECE and ROC-AUC before/after)."""
@@ -53,11 +43,10 @@ def calibrate_cmd(
     from selfdraft.training.calibrate import calibrate_checkpoint
     from selfdraft.training.records import iter_records
 
-    set_threads(threads)
     if (data is None) == (prompts is None):
         raise ConfigError("give exactly one of --data DIR (held-out split) or --prompts FILE.jsonl")
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
-    tgt = load_target(target, dtype, backend, weights, device)
+    tgt = target_options.load()
     if data is not None:
         recs = (r for r in iter_records(data, split) if 1 in r["loss_mask"])
         ids = [r["input_ids"][: r["loss_mask"].index(1)] for r, _ in zip(recs, range(num_prompts))]

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import json
 import sys
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import typer
 
@@ -32,9 +34,9 @@ SchedulerOpt = typer.Option(
 EngineDtypeOpt = typer.Option(None, "--dtype", help="bfloat16 | float32 (exactness); default: float32 on the native "
                               "backend on CPU (its fastest kernels), bfloat16 otherwise")
 BackendOpt = typer.Option("auto", "--backend", help="auto (native for Llama/Mistral/Qwen2/Qwen3, else hf) | native | hf")
-WeightsOpt = typer.Option("auto", "--weights", help="native weights: auto (the fastest measured on CPU; dense in --dtype "
-                          "when --dtype is given, and on CUDA) | bf16 | fp32 | int8 (per row) | int4 (groups of 32; a "
-                          "GGUF's Q4 blocks exactly)")
+WeightsOpt = typer.Option("auto", "--weights", help="native weights: auto (fp16 on x86 CPUs, the fastest measured; dense "
+                          "in --dtype when --dtype is given, and on CUDA) | fp32 | bf16 | fp16 (FBGEMM, CPU) | int8 "
+                          "(per row) | int4 (groups of 32; a GGUF's Q4 blocks exactly)")
 DeviceOpt = typer.Option("auto", "--device", help="auto (cuda if available) | cpu | cuda")
 CompileOpt = typer.Option(False, "--compile", help="torch.compile the native backend's decode/verify steps for "
                           "blocks of 1..γ+1 tokens, up front (minutes on CPU; docs/engine.md)")
@@ -96,13 +98,51 @@ def check_gamma(gamma: int) -> None:
         raise ConfigError(f"--gamma must be >= 1 (draft tokens per round), got {gamma}; for plain decoding use --drafter none")
 
 
-def load_target(target, dtype, backend, weights, device, compile: bool = False, gamma: int = DEFAULT_GAMMA):
-    """Target.load with the backend options (--backend, --weights, --dtype, --device, --compile: the
-    steps of 1..γ+1 tokens)."""
-    from selfdraft.target import Target
+@dataclass(frozen=True)
+class TargetOptions:
+    """How a command runs the target: --target, --threads, --dtype, --backend, --weights, --device and
+    (where offered) --compile; `with_target_options` declares them once for every such command."""
 
-    return Target.load(target, dtype=dtype, backend=backend, weights=weights, device=device,
-                       compile=gamma + 1 if compile else 0)
+    target: Optional[str] = None
+    threads: int = DEFAULT_THREADS
+    dtype: Optional[str] = None
+    backend: str = "auto"
+    weights: str = "auto"
+    device: str = "auto"
+    compile: bool = False
+
+    def load(self, gamma: int = DEFAULT_GAMMA):
+        """Set the torch threads, then Target.load (--compile: the steps of 1..γ+1 tokens)."""
+        from selfdraft.target import Target
+
+        set_threads(self.threads)
+        return Target.load(self.target, dtype=self.dtype, backend=self.backend, weights=self.weights,
+                           device=self.device, compile=gamma + 1 if self.compile else 0)
+
+
+TARGET_OPTIONS = {"target": (Optional[str], TargetOpt), "threads": (int, ThreadsOpt), "dtype": (Optional[str], EngineDtypeOpt),
+                  "backend": (str, BackendOpt), "weights": (str, WeightsOpt), "device": (str, DeviceOpt)}
+
+
+def with_target_options(compile: bool = False) -> Callable[[Callable], Callable]:
+    """A command's `target_options: TargetOptions` parameter becomes the target options (and --compile
+    if asked) in its CLI signature; the command receives them as one TargetOptions."""
+    options = {**TARGET_OPTIONS, **({"compile": (bool, CompileOpt)} if compile else {})}
+
+    def deco(fn: Callable) -> Callable:
+        sig = inspect.signature(fn)
+        params = [p for p in sig.parameters.values() if p.name != "target_options"]
+        params += [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=opt, annotation=ann)
+                   for n, (ann, opt) in options.items()]
+
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            return fn(*args, target_options=TargetOptions(**{n: kwargs.pop(n) for n in options}), **kwargs)
+
+        run.__signature__ = sig.replace(parameters=params)  # what Typer reads
+        return run
+
+    return deco
 
 
 def make_scheduler(kind: str, threshold: float | None, cost=None):

@@ -11,21 +11,14 @@ from typing import Optional
 import typer
 
 from selfdraft.cli.common import (
-    BackendOpt,
-    CompileOpt,
-    DeviceOpt,
-    EngineDtypeOpt,
     GammaOpt,
     SchedulerOpt,
-    TargetOpt,
-    ThreadsOpt,
-    WeightsOpt,
+    TargetOptions,
     check_gamma,
     command,
     default_of,
-    load_target,
-    set_threads,
     note,
+    with_target_options,
 )
 from selfdraft.config import ConfigError, GenerationConfig, SamplingParams
 
@@ -53,10 +46,11 @@ class TextStream:
             self.shown = len(text)
 
 
+@with_target_options(compile=True)
 def generate(
+    target_options: TargetOptions,
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="prompt text"),
     prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", help="file holding the prompt"),
-    target: Optional[str] = TargetOpt,
     drafter: str = typer.Option("ngram", "--drafter", "-d", help="registry name (none, ngram) or a checkpoint dir"),
     chat: bool = typer.Option(True, "--chat/--no-chat", help="wrap the prompt in the chat template"),
     max_new_tokens: int = typer.Option(default_of(GenerationConfig, "max_new_tokens"), "--max-new-tokens", "-n"),
@@ -66,12 +60,6 @@ def generate(
     top_k: int = typer.Option(default_of(SamplingParams, "top_k"), "--top-k", help="0 = off"),
     seed: Optional[int] = typer.Option(None, "--seed"),
     scheduler: str = SchedulerOpt,
-    threads: int = ThreadsOpt,
-    dtype: Optional[str] = EngineDtypeOpt,
-    backend: str = BackendOpt,
-    weights: str = WeightsOpt,
-    device: str = DeviceOpt,
-    compile: bool = CompileOpt,
     as_json: bool = typer.Option(False, "--json", help="print exactly one JSON object"),
 ) -> None:
     """Generate an answer with speculative decoding (lossless: same output as the target alone)."""
@@ -79,7 +67,6 @@ def generate(
     from selfdraft.loader import load_drafter
     from selfdraft.profile import scheduler_for
 
-    set_threads(threads)
     if (prompt is None) == (prompt_file is None):
         raise ConfigError("give exactly one of --prompt or --prompt-file")
     text = prompt if prompt is not None else read_prompt_file(prompt_file)
@@ -88,7 +75,7 @@ def generate(
     check_gamma(gamma)
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, gamma=gamma)
-    tgt = load_target(target, dtype, backend, weights, device, compile, gamma)
+    tgt = target_options.load(gamma)
     draft = load_drafter(drafter, tgt)
     sched = scheduler_for(scheduler, tgt, draft, gamma, log=note)
     ids = tgt.encode_prompt(text, chat=chat)
@@ -139,19 +126,14 @@ DEMO_PROMPT = (
 )
 
 
+@with_target_options(compile=True)
 def demo(
-    target: Optional[str] = TargetOpt,
+    target_options: TargetOptions,
     drafter: str = typer.Option(
         "auto", "--drafter", "-d", help=f"auto = the shipped DSpark drafter ({SHIPPED_DSPARK}) if present, else ngram"
     ),
     max_new_tokens: int = typer.Option(192, "--max-new-tokens", "-n"),
     scheduler: str = SchedulerOpt,
-    threads: int = ThreadsOpt,
-    dtype: Optional[str] = EngineDtypeOpt,
-    backend: str = BackendOpt,
-    weights: str = WeightsOpt,
-    device: str = DeviceOpt,
-    compile: bool = CompileOpt,
 ) -> None:
     """Measure the speedup of speculative over plain decoding on one prompt; lead with it, then show the answer."""
     import torch
@@ -160,17 +142,16 @@ def demo(
     from selfdraft.loader import load_drafter
     from selfdraft.profile import scheduler_for
 
-    set_threads(threads)
     torch.manual_seed(0)
     if drafter == "auto":
-        drafter = str(SHIPPED_DSPARK) if (target is None and SHIPPED_DSPARK.is_dir()) else "ngram"
-    tgt = load_target(target, dtype, backend, weights, device, compile)
+        drafter = str(SHIPPED_DSPARK) if (target_options.target is None and SHIPPED_DSPARK.is_dir()) else "ngram"
+    tgt = target_options.load()
     draft, plain = load_drafter(drafter, tgt), load_drafter("none", tgt)
     ids = tgt.encode_prompt(DEMO_PROMPT)
     cfg = GenerationConfig(max_new_tokens=max_new_tokens)
     sched = scheduler_for(scheduler, tgt, draft, cfg.gamma, log=note)
     print(f"measuring {max_new_tokens} greedy tokens ({tgt.format}, {str(tgt.model.dtype).removeprefix('torch.')}, "
-          f"{threads} thread{'s' * (threads != 1)}): {draft.name} drafting, then plain decoding ...", file=sys.stderr, flush=True)
+          f"{target_options.threads} thread{'s' * (target_options.threads != 1)}): {draft.name} drafting, then plain decoding ...", file=sys.stderr, flush=True)
     run(tgt, draft, ids[:16] or ids, config=GenerationConfig(max_new_tokens=4), scheduler=sched)  # warm-up
     spec = run(tgt, draft, ids, config=cfg, scheduler=sched)
     base = run(tgt, plain, ids, config=cfg)

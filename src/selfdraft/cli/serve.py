@@ -9,20 +9,14 @@ from typing import Optional
 import typer
 
 from selfdraft.cli.common import (
-    BackendOpt,
-    DeviceOpt,
-    EngineDtypeOpt,
     GammaOpt,
     SchedulerOpt,
-    TargetOpt,
-    ThreadsOpt,
+    TargetOptions,
     ThresholdOpt,
-    WeightsOpt,
     check_gamma,
     command,
-    load_target,
-    set_threads,
     note,
+    with_target_options,
 )
 from selfdraft.config import DEFAULT_PREFILL_CHUNK, ConfigError
 
@@ -31,8 +25,9 @@ def register(app: typer.Typer) -> None:
     command(app, "serve")(serve_cmd)
 
 
+@with_target_options(compile=False)
 def serve_cmd(
-    target: Optional[str] = TargetOpt,
+    target_options: TargetOptions,
     drafter: str = typer.Option("ngram", "--drafter", "-d", help="registry name (none, ngram) or a checkpoint dir"),
     scheduler: str = SchedulerOpt,
     threshold: Optional[float] = ThresholdOpt,
@@ -47,11 +42,6 @@ def serve_cmd(
     gamma: int = GammaOpt,
     shutdown_grace: float = typer.Option(10.0, "--shutdown-grace", help="seconds in-flight requests get to finish on SIGINT/SIGTERM"),
     max_body_size: int = typer.Option(1 << 20, "--max-body-size", help="largest request body in bytes (larger: 413)"),
-    threads: int = ThreadsOpt,
-    dtype: Optional[str] = EngineDtypeOpt,
-    backend: str = BackendOpt,
-    weights: str = WeightsOpt,
-    device: str = DeviceOpt,
     log_level: str = typer.Option("info", "--log-level"),
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, streaming) on the batched speculative engine."""
@@ -59,11 +49,10 @@ def serve_cmd(
     from selfdraft.profile import scheduler_for
     from selfdraft.serve import EngineLoop, ServerMetrics, create_app, run_server
 
-    set_threads(threads)
     if max_concurrency < 1 or (max_batch is not None and max_batch < 1) or max_body_size < 1 or prefill_chunk < 1:
         raise ConfigError("--max-concurrency, --max-batch, --prefill-chunk and --max-body-size must be >= 1")
     check_gamma(gamma)
-    tgt = load_target(target, dtype, backend, weights, device)
+    tgt = target_options.load()
     make = drafter_factory(drafter, tgt)
     batch = max_batch or max_concurrency
     sched = scheduler_for(scheduler, tgt, make(), gamma, threshold, log=note, batch_tokens=min(128, batch * (gamma + 1)))
