@@ -334,3 +334,25 @@ def test_embedded_native_equals_hf(embedded_fp32):
         assert (int4.forward(torch.tensor([ids]), None).logits - ref.logits).abs().max() <= 2e-3
         hf = embedded_fp32.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids):].tolist()
         assert generate(nat, NoDrafter(), ids, config=GenerationConfig(max_new_tokens=n)).token_ids == hf
+
+
+@pytest.mark.parametrize("method", ["dspark", "eagle3"])
+def test_trained_drafters_beside_fp16_weights_take_its_kernel_and_stay_exact(method):
+    """A trained drafter beside an fp16 target runs its linear layers through the FBGEMM fp16 kernel
+    (a copy: the module given stays float32), and greedy speculative decoding still equals plain."""
+    from selfdraft import methods
+    from selfdraft.methods.none.drafter import NoDrafter
+
+    model = tiny_llama(vocab=64, hidden=32, layers=4, seed=0, peaked=3.0)
+    fp16 = Target(model, backend="native", weights="fp16")
+    torch.manual_seed(1)
+    m = methods.get(method)
+    cfg = m.config(gamma=4, feature_layers=(0, 2)) if method == "dspark" else m.config(gamma=4, feature_layers=(0, 1, 2))
+    module = m.build(cfg, fp16)
+    drafter = m.wrap(module, cfg, fp16)
+    lins = [x for x in drafter.model.modules() if isinstance(x, torch.nn.Linear)]
+    assert lins and all(isinstance(x.forward, Fp16Linear) for x in lins)
+    assert not any(isinstance(x.forward, Fp16Linear) for x in module.modules() if isinstance(x, torch.nn.Linear))
+    prompt, cfg_gen = [5, 17, 3, 5, 17, 3, 9, 40, 2, 5], GenerationConfig(max_new_tokens=24, gamma=4)
+    plain = generate(fp16, NoDrafter(), prompt, config=cfg_gen).token_ids
+    assert generate(fp16, drafter, prompt, config=cfg_gen).token_ids == plain
