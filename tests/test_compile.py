@@ -6,6 +6,8 @@ share one compiled target."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -26,6 +28,7 @@ slow = pytest.mark.slow  # torch.compile: 10-40 s per block length on a tiny mod
 @pytest.fixture(scope="module")
 def pair():
     """(eager, compiled) native targets over the same HF model (llama with every bias)."""
+    torch.set_num_threads(1)  # as conftest sets it for each test: a graph is guarded on the thread count
     model = build("llama")
     return Target(model, backend="native"), Target(model, backend="native", compile=5)
 
@@ -95,7 +98,7 @@ def test_compile_refusals(tmp_path):
     model = build("llama")
     with pytest.raises(TargetError, match="native backend"):
         Target(model, backend="hf", compile=5)
-    with pytest.raises(TargetError, match="dense weights"):
+    with pytest.raises(TargetError, match=r"dense \(fp32 / bf16\) or fp16 weights"):
         Target(model, backend="native", weights="int8", compile=5)
     model.save_pretrained(tmp_path / "t")
     res = CliRunner().invoke(app, ["generate", "--target", str(tmp_path / "t"), "--backend", "hf", "--compile", "-p", "hi"])
@@ -123,3 +126,29 @@ def test_two_compiled_models_keep_their_own_weights():
         eager.forward(ids[:, :8], c_e)
         comp.forward(ids[:, :8], c_c)  # T = 8: eager in both
         assert_steps_close(eager.forward(ids[:, 8:], c_e), comp.forward(ids[:, 8:], c_c))
+
+
+@slow
+def test_compiled_fp16_weights_equal_eager_fp16_and_keep_their_own_weights():
+    """fp16 weights stay in FBGEMM's packed form, called from the graph by handle: compiled = eager
+    fp16 (decode, verify, greedy generation) for two models of the same shapes, and a dropped
+    model's packed weights leave the handle table."""
+    from selfdraft.native import compiled
+
+    models = [build("llama", seed=s) for s in (0, 1)]
+    comps = [Target(m, backend="native", weights="fp16", compile=2) for m in models]
+    assert all(c.native.compiled.mode == "default" for c in comps)
+    ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(8))
+    for m, comp in zip(models, comps):
+        eager = Target(m, backend="native", weights="fp16")
+        c_e, c_c = eager.new_cache(), comp.new_cache()
+        for sl in (slice(0, 9), slice(9, 10), slice(10, 12)):  # prefill (eager in both), decode-1, verify-1
+            assert_steps_close(eager.forward(ids[:, sl], c_e, (0, 1)), comp.forward(ids[:, sl], c_c, (0, 1)))
+        cfg = GenerationConfig(max_new_tokens=12, gamma=1)
+        prompt = ids[0, :6].tolist()
+        none = methods.get("none")
+        assert generate(comp, none.new(comp), prompt, config=cfg).token_ids == generate(eager, none.new(eager), prompt, config=cfg).token_ids
+    held = len(compiled._PACKED)
+    del comps[1], comp
+    gc.collect()
+    assert len(compiled._PACKED) == held - 4 * models[1].config.num_hidden_layers

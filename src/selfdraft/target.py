@@ -174,7 +174,7 @@ class Target:
         model.to(device)
         if weights == "auto" and backend != "hf":  # an explicit --dtype keeps its old meaning: dense weights in it
             weights = {"float32": "fp32", "bfloat16": "bf16"}[dtype]
-            if device == "cpu" and not dtype_given and not compile and _fp16_kernel_fits(model):  # --compile: dense
+            if device == "cpu" and not dtype_given and _fp16_kernel_fits(model):
                 weights = "fp16"
         gguf = _gguf_source(path)
         target = cls(model, tok, name, backend, weights, gguf, path / "native_int4.safetensors" if gguf else None, compile)

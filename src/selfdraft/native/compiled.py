@@ -11,8 +11,12 @@ T = 1..max_tokens (γ + 1), are compiled up front by `warm_up` (one note on stde
 took); longer blocks (prefill) run the eager stack, and a shape seen later (a ragged batch of 2
 rows) compiles on first use with its own note.
 
-Weights are registered as buffers of one nn.Module so inductor's freezing folds them in as
-constants (its CPU GEMM templates and weight prepacking need them constant).
+Dense weights are registered as buffers of one nn.Module so inductor's freezing folds them in as
+constants (its CPU GEMM templates and weight prepacking need them constant). fp16 weights stay in
+FBGEMM's packed form, which no graph can hold: each is called through one opaque operator,
+`selfdraft::fp16_linear(x, handle, N)`, whose handle names the packed weight in a table here; inductor
+fuses everything between the GEMMs (norms, RoPE, cache writes, residuals, SiLU) and the Python of
+the eager loop is gone. Its GEMMs have nothing to autotune, so fp16 compiles in the default mode.
 """
 
 from __future__ import annotations
@@ -23,10 +27,29 @@ import time
 import torch
 import torch.nn.functional as F
 
-from selfdraft.native.ops import rms_norm, rotate
-from selfdraft.native.quant import DenseLinear
+import itertools
+import weakref
+
+from selfdraft.native.ops import rms_norm, rotate_heads
+from selfdraft.native.quant import DenseLinear, Fp16Linear
 
 MODES = ("default", "max-autotune", "reduce-overhead")
+
+# FBGEMM's packed fp16 weights by handle: an int is what a graph can carry to the opaque operator
+_PACKED: dict[int, object] = {}
+_LIB = torch.library.Library("selfdraft", "DEF")
+_LIB.define("fp16_linear(Tensor x, int handle, int out_features) -> Tensor")
+_LIB.impl("fp16_linear", lambda x, handle, n: torch.ops.quantized.linear_dynamic_fp16(x, _PACKED[handle]), "CPU")
+_LIB.impl("fp16_linear", lambda x, handle, n: x.new_empty(x.shape[0], n), "Meta")  # shapes, for tracing
+
+
+_HANDLES = itertools.count()  # never reused: a graph compiled for a released handle can never call another weight
+
+
+def _register(packed) -> int:
+    handle = next(_HANDLES)
+    _PACKED[handle] = packed
+    return handle
 
 
 class _Stack(torch.nn.Module):
@@ -39,45 +62,53 @@ class _Stack(torch.nn.Module):
         self.eps, self.scale = model.eps, model.scale
         self.windows = [L.window for L in model.layers]
         self.has_qk_norm = model.layers[0].q_norm is not None
+        self.fp16: dict[str, tuple[int, int]] = {}  # linear name -> (handle, N) of an fp16 weight
         for i, L in enumerate(model.layers):
             for name in ("input_norm", "q_norm", "k_norm", "post_norm"):
                 self.register_buffer(f"l{i}_{name}", getattr(L, name))
             for name in ("qkv", "o", "gate_up", "down"):
                 lin = getattr(L, name)
-                self.register_buffer(f"l{i}_{name}_w", lin.weight_t)  # [K, N]
+                if isinstance(lin, Fp16Linear):
+                    self.fp16[f"l{i}_{name}"] = (_register(lin.packed), lin.out_features)
+                else:
+                    self.register_buffer(f"l{i}_{name}_w", lin.weight_t)  # [K, N]
                 self.register_buffer(f"l{i}_{name}_b", lin.bias)
         self.register_buffer("norm", model.norm)
+        weakref.finalize(self, _release, [h for h, _ in self.fp16.values()])
 
     def _lin(self, x: torch.Tensor, i: int, name: str) -> torch.Tensor:
-        y = x @ getattr(self, f"l{i}_{name}_w")
+        fp16 = self.fp16.get(f"l{i}_{name}")
+        if fp16 is not None:  # [.., K] -> [M, K] -> [M, N] -> [.., N]
+            y = torch.ops.selfdraft.fp16_linear(x.reshape(-1, x.shape[-1]), *fp16).view(*x.shape[:-1], fp16[1])
+        else:
+            y = x @ getattr(self, f"l{i}_{name}_w")
         b = getattr(self, f"l{i}_{name}_b")
         return y if b is None else y + b
 
     def forward(self, x, cos, sin, mask, near, rows, slots, keys: list[torch.Tensor], values: list[torch.Tensor]):
-        """x [B, T, H]; cos, sin [B, 1, T, d]; mask, near [B, 1, T, S] bool (near: the sliding-window
+        """x [B, T, H]; cos, signed sin [B, T, 1, d] (ops.rope_tables); mask, near [B, 1, T, S] bool (near: the sliding-window
         mask, or None); rows [B, 1], slots [B, T] long: where each new key goes; keys[i], values[i]
         [B, n_kv, S, d] written in place. -> (last hidden [B, T, H], every layer's output [B, T, H]: one
         graph for every choice of feature layers)."""
         B, T, _ = x.shape
-        nq, nkv, d = self.n_heads * self.d, self.n_kv * self.d, self.d
+        nh, nkv, d = self.n_heads, self.n_kv, self.d
         feats = []
         for i in range(len(keys)):
             h = rms_norm(x, getattr(self, f"l{i}_input_norm"), self.eps)
-            q, k, v = self._lin(h, i, "qkv").split([nq, nkv, nkv], dim=-1)
-            q = q.view(B, T, self.n_heads, d)
-            k = k.view(B, T, self.n_kv, d)
+            y = self._lin(h, i, "qkv").view(B, T, nh + 2 * nkv, d)
             if self.has_qk_norm:
-                q = rms_norm(q, getattr(self, f"l{i}_q_norm"), self.eps)
-                k = rms_norm(k, getattr(self, f"l{i}_k_norm"), self.eps)
-            q = rotate(q.transpose(1, 2), cos, sin)
-            k = rotate(k.transpose(1, 2), cos, sin)
-            v = v.view(B, T, self.n_kv, d)
-            keys[i][rows, :, slots] = k.transpose(1, 2)
-            values[i][rows, :, slots] = v
+                qk = torch.cat((rms_norm(y[:, :, :nh], getattr(self, f"l{i}_q_norm"), self.eps),
+                                rms_norm(y[:, :, nh : nh + nkv], getattr(self, f"l{i}_k_norm"), self.eps)), 2)
+            else:
+                qk = y[:, :, : nh + nkv]
+            qk = rotate_heads(qk, cos, sin)
+            q = qk[:, :, :nh].transpose(1, 2)
+            keys[i][rows, :, slots] = qk[:, :, nh:]
+            values[i][rows, :, slots] = y[:, :, nh + nkv :]
             m = mask if self.windows[i] is None else near
             a = F.scaled_dot_product_attention(q, keys[i], values[i], attn_mask=m, scale=self.scale,
-                                               enable_gqa=self.n_kv != self.n_heads)
-            x = x + self._lin(a.transpose(1, 2).reshape(B, T, nq), i, "o")
+                                               enable_gqa=nkv != nh)
+            x = x + self._lin(a.transpose(1, 2).reshape(B, T, nh * d), i, "o")
             h = rms_norm(x, getattr(self, f"l{i}_post_norm"), self.eps)
             g, u = self._lin(h, i, "gate_up").chunk(2, dim=-1)
             x = x + self._lin(F.silu(g) * u, i, "down")
@@ -85,11 +116,16 @@ class _Stack(torch.nn.Module):
         return rms_norm(x, self.norm, self.eps), feats
 
 
+def _release(handles: list[int]) -> None:
+    for h in handles:
+        _PACKED.pop(h, None)
+
+
 def refusal(model) -> str | None:
     """Why --compile cannot run this native stack (None: it can)."""
     lins = [getattr(L, n) for L in model.layers for n in ("qkv", "o", "gate_up", "down")]
-    if not all(isinstance(lin, DenseLinear) for lin in lins):
-        return f"--compile needs dense weights (fp32 / bf16), not {model.weights}"
+    if not all(isinstance(lin, (DenseLinear, Fp16Linear)) for lin in lins):
+        return f"--compile needs dense (fp32 / bf16) or fp16 weights, not {model.weights}"
     return None
 
 
@@ -97,7 +133,8 @@ class CompiledStep:
     """Compiled forwards of T = 1..max_tokens new tokens; other T (prefill) run eagerly."""
 
     def __init__(self, model, max_tokens: int, mode: str | None = None) -> None:
-        mode = mode or ("reduce-overhead" if model.device.type == "cuda" else "max-autotune")
+        fp16 = isinstance(model.layers[0].qkv, Fp16Linear)  # opaque GEMMs: nothing to autotune
+        mode = mode or ("reduce-overhead" if model.device.type == "cuda" else "default" if fp16 else "max-autotune")
         if mode not in MODES:
             raise ValueError(f"compile mode must be one of {MODES}, got {mode!r}")
         reason = refusal(model)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from selfdraft.native.cache import NativeCache
-from selfdraft.native.ops import rms_norm, rotate
+from selfdraft.native.ops import rms_norm, rope_tables, rotate_heads
 from selfdraft.native.quant import (
     INT4_GROUP,
     DenseLinear,
@@ -216,24 +216,25 @@ class NativeModel:
             return self._compiled_forward(input_ids, cache, feature_layers, position_ids, attention_mask, past, Lk)
         mask = self._mask(past, T, Lk, uniform, attention_mask)
 
-        cos, sin = self._rope(position_ids)
+        cos, sin = rope_tables(position_ids.to(dev), self.inv_freq, self.rope_scaling, self.dtype)  # [B, T, 1, d]
         if native and not uniform:  # ragged rows: scatter each row's block at its own length
             slots = (past[:, None] + torch.arange(T)).to(dev)  # [B, T]
             rows = torch.arange(B, device=dev)[:, None]
 
         x = self.embed_tokens(input_ids)  # [B, T, H]
         feats: dict[int, torch.Tensor] = {}
-        nq, nkv, d = self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.head_dim
+        nh, nkv, d = self.n_heads, self.n_kv, self.head_dim
         for i, L in enumerate(self.layers):
             h = rms_norm(x, L.input_norm, self.eps)
-            q, k, v = L.qkv(h).split([nq, nkv, nkv], dim=-1)
-            q = q.view(B, T, self.n_heads, d)
-            k = k.view(B, T, self.n_kv, d)
-            if L.q_norm is not None:
-                q, k = rms_norm(q, L.q_norm, self.eps), rms_norm(k, L.k_norm, self.eps)
-            q = rotate(q.transpose(1, 2), cos, sin)  # [B, n_q, T, d]
-            k = rotate(k.transpose(1, 2), cos, sin)  # [B, n_kv, T, d]
-            v = v.view(B, T, self.n_kv, d).transpose(1, 2)
+            y = L.qkv(h).view(B, T, nh + 2 * nkv, d)  # q, k and v heads side by side
+            if L.q_norm is not None:  # Qwen3: per-head norms before the rotation
+                qk = torch.cat((rms_norm(y[:, :, :nh], L.q_norm, self.eps), rms_norm(y[:, :, nh : nh + nkv], L.k_norm, self.eps)), 2)
+            else:
+                qk = y[:, :, : nh + nkv]
+            qk = rotate_heads(qk, cos, sin)  # q and k rotated in one go: [B, T, nh + nkv, d]
+            q = qk[:, :, :nh].transpose(1, 2)  # [B, nh, T, d]
+            k = qk[:, :, nh:].transpose(1, 2)  # [B, nkv, T, d]
+            v = y[:, :, nh + nkv :].transpose(1, 2)
             if native:
                 K, V = cache.keys[i], cache.values[i]  # [B, n_kv, cap, d]
                 if uniform:
@@ -248,8 +249,8 @@ class NativeModel:
             else:
                 K, V = k, v
             m = mask if L.window is None else self._window(mask, past, T, Lk, L.window, attention_mask)
-            a = F.scaled_dot_product_attention(q, K, V, attn_mask=m, scale=self.scale, enable_gqa=self.n_kv != self.n_heads)
-            x = x + L.o(a.transpose(1, 2).reshape(B, T, nq))
+            a = F.scaled_dot_product_attention(q, K, V, attn_mask=m, scale=self.scale, enable_gqa=nkv != nh)
+            x = x + L.o(a.transpose(1, 2).reshape(B, T, nh * d))
             h = rms_norm(x, L.post_norm, self.eps)
             g, u = L.gate_up(h).chunk(2, dim=-1)
             x = x + L.down(F.silu(g) * u)
@@ -258,14 +259,6 @@ class NativeModel:
         if native:
             cache.lengths = [n + T for n in cache.lengths]
         return NativeStep(last_hidden=rms_norm(x, self.norm, self.eps), features=[feats[i] for i in feature_layers])
-
-    def _rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """position_ids [B, T] -> cos, sin [B, 1, T, d] (HF's rope tables, scaled)."""
-        freqs = position_ids.to(self.device)[..., None].float() * self.inv_freq  # [B, T, d/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.rope_scaling).to(self.dtype)[:, None]
-        sin = (emb.sin() * self.rope_scaling).to(self.dtype)[:, None]
-        return cos, sin
 
     def _compiled_forward(self, input_ids, cache: NativeCache, feature_layers, position_ids, given, past, Lk) -> NativeStep:
         """The compiled step: the block attends to the cache's whole capacity S (static per capacity,
@@ -289,7 +282,7 @@ class NativeModel:
             near = (visible & (j[None, None, :] > qpos[:, :, None] - w))[:, None].to(dev)
             if given is not None and given.dim() == 4:
                 near = visible[:, None].to(dev)  # a caller's 4D mask is used as is (as HF does)
-        cos, sin = self._rope(position_ids)
+        cos, sin = rope_tables(position_ids.to(dev), self.inv_freq, self.rope_scaling, self.dtype)  # [B, T, 1, d]
         x = self.embed_tokens(input_ids)  # [B, T, H]
         last, feats = self.compiled(x, cos, sin, visible[:, None].to(dev), near, torch.arange(B, device=dev)[:, None],
                                     qpos.to(dev), cache.keys, cache.values)

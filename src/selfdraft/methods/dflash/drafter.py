@@ -12,8 +12,17 @@ from selfdraft.drafters.blocks import block_attention_mask
 from selfdraft.drafters.layers import KV
 from selfdraft.methods.dflash.config import DFlashConfig
 from selfdraft.methods.dflash.model import DFlashModel
+from selfdraft.native.quant import DenseLinear, Fp16Linear
 from selfdraft.sampling import block_contexts, probs_from_logits, process_logits, sample
 from selfdraft.target import Target, TargetStep, lm_logits
+
+
+def draft_vocab_head(target: Target, rows: torch.Tensor):
+    """The target's LM-head rows of a draft vocabulary, [V', H], as a function [..., H] -> [..., V']
+    float32: through FBGEMM's fp16 kernel beside an fp16 target (as its own head runs), else a dense
+    [H, V'] right operand (a few-row product with a row-major right operand is ~2x faster on CPU)."""
+    lin = Fp16Linear(rows, None) if getattr(target, "weights", None) == "fp16" else DenseLinear(rows, None)
+    return lambda h: lin(h.to(rows.dtype)).float()
 
 
 class DFlashDrafter(TrainedDrafter):
@@ -30,7 +39,7 @@ class DFlashDrafter(TrainedDrafter):
         self.ctx_len = 0
         self.gives_confidences = getattr(model, "confidence", None) is not None  # DSpark's head
         self.vocab: torch.Tensor | None = None  # [V'] draft vocabulary (target ids), None = all V
-        self.lm_rows: torch.Tensor | None = None  # [H, V'] the target's LM-head rows of self.vocab, transposed
+        self.head = lambda h: lm_logits(target, h)  # [..., H] -> U [..., V'] float32 (the target's LM head)
         if self.model.draft_ids is not None:  # trained over a draft vocabulary: draft among it
             self.restrict_vocab(self.model.draft_ids)
 
@@ -44,8 +53,7 @@ class DFlashDrafter(TrainedDrafter):
         if ids.numel() == 0 or int(ids[0]) < 0 or int(ids[-1]) >= V:
             raise ConfigError(f"a draft vocabulary needs target ids in [0, {V}), got {ids.numel()} ids")
         self.vocab = ids
-        # stored [H, V'] contiguous: a few-row product with a row-major right operand is ~2x faster on CPU
-        self.lm_rows = self.target.model.get_output_embeddings().weight[ids].detach().t().contiguous()
+        self.head = draft_vocab_head(self.target, self.target.model.get_output_embeddings().weight[ids].detach())
 
     @torch.inference_mode()
     def _append(self, features: torch.Tensor) -> None:
@@ -105,35 +113,30 @@ class DFlashDrafter(TrainedDrafter):
 
     @torch.inference_mode()
     def propose_until(self, tokens, gamma, params, generator, admission) -> Proposal:
-        """DSpark: c_1 reads only h_1 and the anchor, so a round whose first draft is not worth
-        verifying (most rounds on a CPU, where verifying 2 tokens costs ~1.6 decodes) skips the LM
-        head and the Markov steps: only the backbone pass is paid."""
-        if admission is None or not self.gives_confidences or min(gamma, self.cfg.gamma) < 1:
+        """DSpark: c_k reads h_k and x_{k-1} only, so drafting stops at the scheduler's first refusal
+        and pays the LM-head row and the Markov step only for drafts that will be verified (a round
+        whose c_1 is refused, most rounds on a CPU, costs the backbone pass alone)."""
+        if admission is None or not self.gives_confidences:
             return super().propose_until(tokens, gamma, params, generator, admission)
-        h = DFlashDrafter.draft_states_many([self], [tokens])  # [1, γ, H]
-        x0 = torch.tensor([tokens[-1]], device=h.device)
-        if not admission.admit(float(self.model.confidence_at(h[:, 0], x0, 0)[0])):
-            return Proposal.empty()
-        p = DFlashDrafter.propose_many([self], [tokens], [gamma], [params], [generator], h=h)[0]
-        return p.truncate(1 + admission.count(p.confidences[1:]))
+        return DFlashDrafter.propose_many([self], [tokens], [gamma], [params], [generator], admit=admission.admit)[0]
 
     @staticmethod
     @torch.inference_mode()
-    def propose_many(drafters, tokens, gammas, params, generators, h: torch.Tensor | None = None) -> list[Proposal]:
+    def propose_many(drafters, tokens, gammas, params, generators, admit=None) -> list[Proposal]:
         """R requests' rounds in one backbone pass and one LM-head matmul; each request keeps its own
-        γ_r, sampling parameters and generator (a request draws exactly the samples it would alone)."""
+        γ_r, sampling parameters and generator (a request draws exactly the samples it would alone).
+        admit (one request, DSpark): the scheduler's online rule, asked c_k before x_k is drafted."""
         live = [r for r, g in enumerate(gammas) if min(g, drafters[r].cfg.gamma) > 0]
         out = [Proposal.empty() for _ in drafters]
         if not live:
             return out
         model, target = drafters[live[0]].model, drafters[live[0]].target
         g = [min(gammas[r], drafters[r].cfg.gamma) for r in live]
-        # 1. Backbone states and logits U_k of every live request's block.
-        if h is None:  # h: [R', γ, H] given by propose_until
-            h = DFlashDrafter.draft_states_many([drafters[r] for r in live], [tokens[r] for r in live])
-        h = h[:, : max(g)]
-        vocab, rows = drafters[live[0]].vocab, drafters[live[0]].lm_rows  # shared by a batch_key group
-        U = lm_logits(target, h, rows)  # [R', γ, V'] (V' = V without a draft vocabulary)
+        # 1. Backbone states and logits U_k of every live request's block (with `admit`, row by row:
+        #    only the rows of drafts the scheduler admits).
+        h = DFlashDrafter.draft_states_many([drafters[r] for r in live], [tokens[r] for r in live])[:, : max(g)]
+        vocab, head = drafters[live[0]].vocab, drafters[live[0]].head  # shared by a batch_key group
+        U = (lambda k: head(h[:, k])) if admit is not None else head(h)  # [R', γ, V'] (V' = V without a draft vocabulary)
         # 2. Left-to-right choice of x_k (DSpark adds the Markov bias and c_k inside decode_blocks);
         #    positions past a request's own γ_r are filled greedily and cut, drawing no randomness.
 
@@ -159,18 +162,21 @@ class DFlashDrafter(TrainedDrafter):
             return x
 
         x0 = torch.tensor([tokens[r][-1] for r in live], device=h.device)
-        block = model.decode_blocks(h, U, x0, pick, vocab)
+        block = model.decode_blocks(h, U, x0, pick, vocab, admit=admit)
+        n = [min(g_r, block.tokens.shape[1]) for g_r in g]  # drafts kept (with `admit`: those admitted)
         # 3. q_k is exactly what x_k was sampled from (one-hot when greedy: q = None), over all V.
         for i, r in enumerate(live):
+            if n[i] == 0:
+                continue
             q = None
             if not params[r].greedy:
-                logits = block.logits[i, : g[i]]
+                logits = block.logits[i, : n[i]]
                 if i in shown:
-                    ctx = block_contexts(drafters[r].generated(tokens[r]), block.tokens[i, : g[i]].tolist(), g[i])
+                    ctx = block_contexts(drafters[r].generated(tokens[r]), block.tokens[i, : n[i]].tolist(), n[i])
                     logits = process_logits(logits, params[r], ctx, vocab, target.vocab_size)
                 q = probs_from_logits(logits, params[r])
             if q is not None and vocab is not None:
-                q = q.new_zeros(g[i], target.vocab_size).index_copy_(1, vocab, q)
-            c = None if block.confidences is None else block.confidences[i, : g[i]]
-            out[r] = Proposal(tokens=block.tokens[i, : g[i]], q=q, confidences=c)
+                q = q.new_zeros(n[i], target.vocab_size).index_copy_(1, vocab, q)
+            c = None if block.confidences is None else block.confidences[i, : n[i]]
+            out[r] = Proposal(tokens=block.tokens[i, : n[i]], q=q, confidences=c)
         return out

@@ -118,12 +118,16 @@ class DFlashModel(nn.Module):
         return h[:, :, self.offset : self.offset + self.gamma]  # [B, A, γ, H]
 
     def decode_blocks(
-        self, h: torch.Tensor, U: torch.Tensor, x0: torch.Tensor, pick: PickMany, vocab: torch.Tensor | None = None
+        self, h: torch.Tensor, U: torch.Tensor, x0: torch.Tensor, pick: PickMany, vocab: torch.Tensor | None = None,
+        admit=None,
     ) -> DraftBlock:
         """DFlash drafts are independent given the block: logits_k = U_k. h: [R, γ, H], U: [R, γ, V'], x0: [R].
 
         vocab: [V'] target ids when U covers only a draft vocabulary (pick returns indices into it;
-        the block's tokens are target ids, its logits stay over the V' columns)."""
+        the block's tokens are target ids, its logits stay over the V' columns). admit: DSpark's
+        (DFlash has no c_k to admit drafts by)."""
+        if admit is not None:
+            raise ValueError("DFlash gives no confidences c_k: the scheduler's online rule cannot stop its block")
         idx = torch.stack([pick(k, U[:, k]) for k in range(U.shape[1])], dim=1)  # [R, γ]
         return DraftBlock(idx if vocab is None else vocab[idx], U, None)
 

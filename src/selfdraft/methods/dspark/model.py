@@ -15,6 +15,7 @@ calibrated (Sequential Temperature Scaling). Training is teacher forced; inferen
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -107,30 +108,39 @@ class DSparkModel(DFlashModel):
         return self._w2_cache
 
     def decode_blocks(
-        self, h: torch.Tensor, U: torch.Tensor, x0: torch.Tensor, pick: PickMany, vocab: torch.Tensor | None = None
+        self, h: torch.Tensor, U: torch.Tensor | Callable[[int], torch.Tensor], x0: torch.Tensor, pick: PickMany,
+        vocab: torch.Tensor | None = None, admit: Callable[[float], bool] | None = None,
     ) -> DraftBlock:
-        """Serial decode of R blocks at once (inference): h [R, γ, d], U [R, γ, V'] float32, x0 [R].
+        """Serial decode of R blocks at once (inference): h [R, γ, d], x0 [R]; U the backbone logits
+        [R, γ, V'] float32, or k -> U_k [R, V'] computing a row only when position k is drafted.
         vocab: [V'] target ids when U covers only a draft vocabulary (B_k then too).
 
-        For k = 1..γ: 1. e_k, s_k from (h_k, x_{k-1}, s_{k-1}); 2. logits_k = U_k + W2 e_k;
-        3. c_k = σ(z_k / T_k); 4. x_k = pick(logits_k); x_{k-1} <- x_k.
+        For k = 1..γ: 1. c_k = σ(z_k / T_k) (it reads h_k and x_{k-1}, not x_k); 2. with `admit`
+        (R = 1: the scheduler's online rule), stop at its first refusal: x_k and everything after it
+        would never be verified, so neither U_k nor the Markov step is computed; 3. e_k, s_k from
+        (h_k, x_{k-1}, s_{k-1}); 4. logits_k = U_k + W2 e_k; 5. x_k = pick(logits_k); x_{k-1} <- x_k.
         """
-        g = U.shape[1]
+        R, g = h.shape[:2]
         prev = x0  # [R] target ids
-        s = None if self.markov is None else h.new_zeros(h.shape[0], self.markov.rank)
+        s = None if self.markov is None else h.new_zeros(R, self.markov.rank)
         W2 = None if self.markov is None else self._w2_rows(vocab)  # [V' or V, r]
         tokens, logits, conf = [], [], []
         for k in range(g):
-            logit = U[:, k]  # [R, V']
+            c = None if self.confidence is None else self.confidence_at(h[:, k], prev, k)  # [R]
+            if admit is not None and (c is None or not admit(float(c[0]))):
+                break
+            logit = U[:, k] if isinstance(U, torch.Tensor) else U(k)  # [R, V']
             if self.markov is not None:
                 e, s = self.markov.step(h[:, k], prev, s)  # [R, r]
                 logit = logit + F.linear(e, W2).float()
-            if self.confidence is not None:
-                conf.append(self.confidence_at(h[:, k], prev, k))
             idx = pick(k, logit)
             prev = idx if vocab is None else vocab[idx]
             tokens.append(prev)
             logits.append(logit)
+            if c is not None:
+                conf.append(c)
+        if not tokens:  # c_1 refused: an empty block
+            return DraftBlock(x0.new_zeros(R, 0), h.new_zeros(R, 0, 0, dtype=torch.float32), None)
         return DraftBlock(torch.stack(tokens, 1), torch.stack(logits, 1), torch.stack(conf, 1) if conf else None)
 
 
