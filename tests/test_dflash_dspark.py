@@ -430,8 +430,9 @@ def test_dflash_trains_over_a_draft_vocabulary(target, anchor_as_first):
 
 
 def test_dspark_stops_drafting_where_the_scheduler_stops_and_stays_exact(target):
-    """propose_until (which skips the LM head when c_1 is refused) = propose cut at ℓ from
-    Algorithm 1; generate with the scheduler = plain greedy, with fewer drafts verified."""
+    """propose_until = propose cut at ℓ from Algorithm 1, computing an LM-head row only for the ℓ
+    admitted drafts (none when c_1 is refused); generate with the scheduler = plain greedy, with
+    fewer drafts verified."""
     from selfdraft.scheduler import CostTable, Scheduler
 
     model, cfg = make("dspark", target, gamma=5, markov_rank=8)
@@ -448,8 +449,12 @@ def test_dspark_stops_drafting_where_the_scheduler_stops_and_stays_exact(target)
         sched = Scheduler("hardware", cost=table, padded=False)
         ell = sched.lengths([full])[0]
         start()
+        head, rows = drafter.head, []
+        drafter.head = lambda h: (rows.append(h.shape[0]), head(h))[1]  # h: [R, H], one position of R blocks
         cut = drafter.propose_until(prompt, 5, SamplingParams(), None, sched.admission())
+        drafter.head = head
         assert cut.tokens.tolist() == full.tokens[:ell].tolist()
+        assert rows == [1] * ell
         seen.add(ell)
         res = generate(target, drafter, prompt, SamplingParams(), GenerationConfig(max_new_tokens=20, gamma=5),
                        scheduler=sched)
