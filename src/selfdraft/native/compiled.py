@@ -4,7 +4,7 @@ What is compiled: the decoder layers + final norm for one block of T new tokens 
 (x [B, T, H] in, last hidden and feature layers out), with the KV writes inside. What stays eager
 Python: the cache bookkeeping (lengths, capacity), positions, rope tables and the mask, so the
 graph sees only tensors. Shapes are kept static per block length T: the block attends to the
-cache's whole capacity (a power of two from 256) under a mask that hides every slot past a row's
+cache's whole capacity (grown a quarter at a time from 256) under a mask that hides every slot past a row's
 own length, and the capacity dimension is marked dynamic, so one graph serves every context and
 rollback / ragged rows change only input values, never the graph. The block lengths the loop uses,
 T = 1..max_tokens (γ + 1), are compiled up front by `warm_up` (one note on stderr says how long it
@@ -21,16 +21,15 @@ the eager loop is gone. Its GEMMs have nothing to autotune, so fp16 compiles in 
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
+import weakref
 
 import torch
 import torch.nn.functional as F
 
-import itertools
-import weakref
-
-from selfdraft.native.ops import rms_norm, rotate_heads
+from selfdraft.native.ops import rms_norm, split_heads
 from selfdraft.native.quant import DenseLinear, Fp16Linear
 
 MODES = ("default", "max-autotune", "reduce-overhead")
@@ -53,15 +52,14 @@ def _register(packed) -> int:
 
 
 class _Stack(torch.nn.Module):
-    """NativeModel.forward's layer loop on a NativeCache, every weight a buffer (dense weights only);
-    tests/test_compile.py keeps the two equal."""
+    """NativeModel.forward's layer loop on a NativeCache: dense weights as buffers, fp16 weights by
+    handle; tests/test_compile.py keeps the two equal."""
 
     def __init__(self, model) -> None:
         super().__init__()
         self.n_heads, self.n_kv, self.d = model.n_heads, model.n_kv, model.head_dim
         self.eps, self.scale = model.eps, model.scale
         self.windows = [L.window for L in model.layers]
-        self.has_qk_norm = model.layers[0].q_norm is not None
         self.fp16: dict[str, tuple[int, int]] = {}  # linear name -> (handle, N) of an fp16 weight
         for i, L in enumerate(model.layers):
             for name in ("input_norm", "q_norm", "k_norm", "post_norm"):
@@ -96,15 +94,10 @@ class _Stack(torch.nn.Module):
         for i in range(len(keys)):
             h = rms_norm(x, getattr(self, f"l{i}_input_norm"), self.eps)
             y = self._lin(h, i, "qkv").view(B, T, nh + 2 * nkv, d)
-            if self.has_qk_norm:
-                qk = torch.cat((rms_norm(y[:, :, :nh], getattr(self, f"l{i}_q_norm"), self.eps),
-                                rms_norm(y[:, :, nh : nh + nkv], getattr(self, f"l{i}_k_norm"), self.eps)), 2)
-            else:
-                qk = y[:, :, : nh + nkv]
-            qk = rotate_heads(qk, cos, sin)
-            q = qk[:, :, :nh].transpose(1, 2)
-            keys[i][rows, :, slots] = qk[:, :, nh:]
-            values[i][rows, :, slots] = y[:, :, nh + nkv :]
+            q, k, v = split_heads(y, nh, nkv, getattr(self, f"l{i}_q_norm"), getattr(self, f"l{i}_k_norm"), self.eps, cos, sin)
+            keys[i][rows, :, slots] = k
+            values[i][rows, :, slots] = v
+            q = q.transpose(1, 2)  # [B, nh, T, d]
             m = mask if self.windows[i] is None else near
             a = F.scaled_dot_product_attention(q, keys[i], values[i], attn_mask=m, scale=self.scale,
                                                enable_gqa=nkv != nh)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from selfdraft.native.cache import NativeCache
-from selfdraft.native.ops import rms_norm, rope_tables, rotate_heads
+from selfdraft.native.ops import rms_norm, rope_tables, split_heads
 from selfdraft.native.quant import (
     INT4_GROUP,
     DenseLinear,
@@ -216,7 +216,7 @@ class NativeModel:
             return self._compiled_forward(input_ids, cache, feature_layers, position_ids, attention_mask, past, Lk)
         mask = self._mask(past, T, Lk, uniform, attention_mask)
 
-        cos, sin = rope_tables(position_ids.to(dev), self.inv_freq, self.rope_scaling, self.dtype)  # [B, T, 1, d]
+        cos, sin = self._rope(position_ids)  # [B, T, 1, d]
         if native and not uniform:  # ragged rows: scatter each row's block at its own length
             slots = (past[:, None] + torch.arange(T)).to(dev)  # [B, T]
             rows = torch.arange(B, device=dev)[:, None]
@@ -227,14 +227,7 @@ class NativeModel:
         for i, L in enumerate(self.layers):
             h = rms_norm(x, L.input_norm, self.eps)
             y = L.qkv(h).view(B, T, nh + 2 * nkv, d)  # q, k and v heads side by side
-            if L.q_norm is not None:  # Qwen3: per-head norms before the rotation
-                qk = torch.cat((rms_norm(y[:, :, :nh], L.q_norm, self.eps), rms_norm(y[:, :, nh : nh + nkv], L.k_norm, self.eps)), 2)
-            else:
-                qk = y[:, :, : nh + nkv]
-            qk = rotate_heads(qk, cos, sin)  # q and k rotated in one go: [B, T, nh + nkv, d]
-            q = qk[:, :, :nh].transpose(1, 2)  # [B, nh, T, d]
-            k = qk[:, :, nh:].transpose(1, 2)  # [B, nkv, T, d]
-            v = y[:, :, nh + nkv :].transpose(1, 2)
+            q, k, v = (t.transpose(1, 2) for t in split_heads(y, nh, nkv, L.q_norm, L.k_norm, self.eps, cos, sin))
             if native:
                 K, V = cache.keys[i], cache.values[i]  # [B, n_kv, cap, d]
                 if uniform:
@@ -260,6 +253,10 @@ class NativeModel:
             cache.lengths = [n + T for n in cache.lengths]
         return NativeStep(last_hidden=rms_norm(x, self.norm, self.eps), features=[feats[i] for i in feature_layers])
 
+    def _rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids [B, T] -> cos, signed sin [B, T, 1, d] (ops.rope_tables)."""
+        return rope_tables(position_ids.to(self.device), self.inv_freq, self.rope_scaling, self.dtype)
+
     def _compiled_forward(self, input_ids, cache: NativeCache, feature_layers, position_ids, given, past, Lk) -> NativeStep:
         """The compiled step: the block attends to the cache's whole capacity S (static per capacity,
         so the graph does not change with the context); the mask hides slots past each row's own
@@ -282,7 +279,7 @@ class NativeModel:
             near = (visible & (j[None, None, :] > qpos[:, :, None] - w))[:, None].to(dev)
             if given is not None and given.dim() == 4:
                 near = visible[:, None].to(dev)  # a caller's 4D mask is used as is (as HF does)
-        cos, sin = rope_tables(position_ids.to(dev), self.inv_freq, self.rope_scaling, self.dtype)  # [B, T, 1, d]
+        cos, sin = self._rope(position_ids)  # [B, T, 1, d]
         x = self.embed_tokens(input_ids)  # [B, T, H]
         last, feats = self.compiled(x, cos, sin, visible[:, None].to(dev), near, torch.arange(B, device=dev)[:, None],
                                     qpos.to(dev), cache.keys, cache.values)

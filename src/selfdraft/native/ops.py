@@ -37,3 +37,16 @@ def rotate_heads(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     multiply-add, which would move the last bits)."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
+
+
+def split_heads(y: torch.Tensor, nh: int, nkv: int, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+                eps: float, cos: torch.Tensor, signed_sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused QKV projection's output y [B, T, nh + 2 nkv, d] -> q [B, T, nh, d] and k [B, T, nkv, d]
+    rotated (after Qwen3's per-head norms, when the model has them), v [B, T, nkv, d]."""
+    if q_norm is not None:
+        qk = torch.cat((rms_norm(y[:, :, :nh], q_norm, eps), rms_norm(y[:, :, nh : nh + nkv], k_norm, eps)), 2)
+    else:
+        qk = y[:, :, : nh + nkv]
+    qk = rotate_heads(qk, cos, signed_sin)  # q and k heads in one call
+    return qk[:, :, :nh], qk[:, :, nh:], y[:, :, nh + nkv :]

@@ -184,7 +184,6 @@ class Fp16Linear(Linear):
         return self.out_features * self.in_features * 2
 
 
-
 def fp16_linears(module: torch.nn.Module) -> torch.nn.Module:
     """`module` (changed in place, for inference) with each nn.Linear's forward through FBGEMM's fp16
     kernel; the float32 parameters stay, for code that reads them (e.g. a head's rows)."""

@@ -127,7 +127,7 @@ class DSparkModel(DFlashModel):
         tokens, logits, conf = [], [], []
         for k in range(g):
             c = None if self.confidence is None else self.confidence_at(h[:, k], prev, k)  # [R]
-            if admit is not None and (c is None or not admit(float(c[0]))):
+            if admit is not None and not admit(float(c[0])):  # admit comes with a confidence head
                 break
             logit = U[:, k] if isinstance(U, torch.Tensor) else U(k)  # [R, V']
             if self.markov is not None:
