@@ -244,3 +244,40 @@ def test_train_final_only_drops_the_trainer_state(toy_method, target_dir, tmp_pa
     assert (tmp_path / "final" / "model.safetensors").exists() and not (tmp_path / "final" / "trainer_state.pt").exists()
     assert "model.safetensors" in res.output and "trainer_state.pt" not in res.output.split("->")[-1]
 
+
+
+# ------------------------------------------------------------------ 8. the README's first try, as written there
+def readme_first_try() -> list[list[str]]:
+    """The commands of the README's "First try at small scale" block (after `$S`), read from README.md."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"First try at small scale.*?```bash\n(.*?)```", text, flags=re.S)
+    assert block, "README.md lost its 'First try at small scale' block"
+    return [shlex.split(line)[1:] for line in block.group(1).splitlines() if line.startswith("$S ")]
+
+
+def test_the_readme_first_try_runs_as_written(tmp_path, monkeypatch):
+    """Every command of the README's small-scale pipeline, verbatim, on a tiny chat model instead of the
+    embedded target (the only change: --target, float32, and paths under a temporary directory)."""
+    from tests.test_serve import char_tokenizer
+
+    tok, chat_target_dir = char_tokenizer(), tmp_path / "tiny-chat-6"
+    tiny_llama(vocab=len(tok), hidden=32, layers=6, seed=3, max_pos=512).save_pretrained(chat_target_dir)
+    tok.save_pretrained(chat_target_dir)
+    monkeypatch.chdir(tmp_path)
+    runs = readme_first_try()
+    assert len(runs) == 5
+    for args in runs:
+        extra = ["--target", str(chat_target_dir), "--threads", "1"]
+        if args[0] in ("data", "train", "calibrate", "bench"):
+            extra += ["--dtype", "float32"]
+        if args[0] == "train":
+            extra += ["--no-bf16"]
+        res = invoke(*args, *extra)
+        assert res.exit_code == 0, f"{' '.join(args)}:\n{res.output}"
+    assert (tmp_path / "work/first-ckpt/model.safetensors").exists()
+    assert (tmp_path / "work/first-ckpt/calibration.json").exists()
+    assert list((tmp_path / "runs/first").glob("*.md")), "bench wrote no report"

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from selfdraft.config import ConfigError, DrafterConfig, TrainConfig
 from selfdraft.target import Target
-from selfdraft.training.trainer import STATE_FILE, lr_at, train
+from selfdraft.training.trainer import STATE_FILE, ScheduleOrigin, lr_at, train
 from tests.conftest import tiny_llama
 from tests.toy_training import TOY, ToyConfig, single_thread, toy_method, write_dataset  # noqa: F401  (fixtures)
 
@@ -99,6 +99,56 @@ def test_lr_schedule():
     assert lr_at(55, 0, cfg) == pytest.approx(0.55)  # cosine midpoint
     budget = TrainConfig(steps=100, lr=1.0, warmup_steps=0, min_lr_ratio=0.0, token_budget=1000)
     assert lr_at(1, 500, budget) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))  # tokens lead
+
+
+@pytest.mark.parametrize("change", [dict(token_budget=4000), dict(token_budget=1500), dict(steps=40)])
+def test_resuming_with_another_budget_continues_the_schedule(toy_method, tiny_target, data, tmp_path, change):
+    """Issue 27: a resume with a larger (or smaller) token budget or step count used to jump the cosine
+    (DSpark 5.66e-4 -> 2.49e-4 at step 3201); the lr must go on from where it was, then decay over what is left."""
+    dcfg, tcfg = cfgs(data, steps=20, token_budget=2000, save_every=5, val_every=0, warmup_steps=2)
+    seen = []
+
+    def kill_at_7(log):
+        seen.append(log.lr)
+        if log.step == 7:
+            raise Kill
+
+    with pytest.raises(Kill):
+        train(tiny_target, dcfg, tcfg, tmp_path / "out", on_step=kill_at_7)  # saved at step 5
+    more = train(tiny_target, dcfg, replace(tcfg, **change), tmp_path / "out")
+    lrs = [h.lr for h in more.history[5:]]
+    assert more.resumed_from == 5 and lrs
+    # the step after the resume is within one step's change of the one before (no jump) ...
+    assert abs(lrs[0] - seen[4]) <= 2 * abs(seen[4] - seen[3]) + 1e-12, (seen[:5], lrs[:3])
+    assert all(b <= a + 1e-12 for a, b in zip(lrs, lrs[1:]))  # ... and the cosine keeps decaying
+    saved = torch.load(tmp_path / "out" / STATE_FILE, weights_only=True)["schedule_origin"]
+    assert saved[0] == 5 and 0 < saved[2] < 1  # the new segment starts at the resume point
+
+
+def test_schedule_origin_maps_the_rest_of_the_cosine():
+    cfg = TrainConfig(steps=10**6, lr=1.0, warmup_steps=0, min_lr_ratio=0.0, token_budget=1000)
+    longer = replace(cfg, token_budget=3000)
+    origin = ScheduleOrigin(step=10, tokens=500, progress=0.5)
+    assert lr_at(10, 500, longer, origin) == pytest.approx(lr_at(10, 500, cfg))  # continuous at the origin
+    assert lr_at(11, 1750, longer, origin) == pytest.approx(lr_at(11, 750, cfg))  # halfway through what is left
+    assert lr_at(12, 3000, longer, origin) == pytest.approx(0.0)  # and ends with the new budget
+    with_jump = lr_at(10, 500, longer)  # the old behaviour: progress recomputed from 0 under the new budget
+    assert with_jump != pytest.approx(lr_at(10, 500, cfg))
+
+
+def test_init_from_warm_starts_a_fresh_run(toy_method, tiny_target, data, tmp_path):
+    dcfg, tcfg = cfgs(data, steps=4, save_every=0, val_every=0)
+    train(tiny_target, dcfg, tcfg, tmp_path / "a")
+    warm = train(tiny_target, dcfg, replace(tcfg, steps=1, lr=1e-9, warmup_steps=1, init_from=str(tmp_path / "a")),
+                 tmp_path / "b")
+    cold = train(tiny_target, dcfg, replace(tcfg, steps=1, lr=1e-9, warmup_steps=1), tmp_path / "c")
+    a, b, c = (load_file(tmp_path / d / "model.safetensors") for d in "abc")
+    assert warm.steps == 1 and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)  # started from a's weights
+    assert not all(torch.allclose(a[k], c[k], atol=1e-6) for k in a)  # a fresh start would not be
+    meta = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert meta["provenance"]["train"]["init_from"] == str(tmp_path / "a")  # the provenance says so
+    with pytest.raises(ConfigError, match="init-from"):
+        train(tiny_target, replace(dcfg, feature_layers=(1,)), replace(tcfg, init_from=str(tmp_path / "a")), tmp_path / "d")
 
 
 def test_trains_with_a_bfloat16_target(toy_method, data, tmp_path):

@@ -166,6 +166,9 @@ class TrainConfig:
     save_every: int = 100
     seed: int = 0
     fsdp: bool = False  # under torchrun: shard the drafter (FSDP2 fully_shard) instead of replicating it (DDP)
+    # warm start: a fresh run begins from this checkpoint's drafter weights (same method and shapes);
+    # the schedule, optimizer and data cursor start anew, and a loss draft vocabulary comes from `data`
+    init_from: str = ""
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch_size < 1 or self.grad_accum < 1:

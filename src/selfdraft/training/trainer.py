@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
@@ -194,19 +195,37 @@ def make_batch(seqs: list[Sequence], target: Target, feature_layers: tuple[int, 
 
 
 # ------------------------------------------------------------------ schedule
-def lr_at(step: int, tokens: int, cfg: TrainConfig) -> float:
+@dataclass(frozen=True)
+class ScheduleOrigin:
+    """Where the cosine's current segment starts: (step, tokens) and the progress reached there. A run
+    starts at (0, 0, 0); resuming with another `steps` or `token_budget` starts a new segment at the
+    resume point, so the learning rate goes on from where it was instead of jumping."""
+
+    step: int = 0
+    tokens: int = 0
+    progress: float = 0.0
+
+
+def schedule_progress(step: int, tokens: int, cfg: TrainConfig, origin: ScheduleOrigin = ScheduleOrigin()) -> float:
+    """The cosine's progress after warmup: the larger of the step and token fractions of the current
+    segment, mapped onto what was left of the schedule at its origin (>= 1: done)."""
+    s0 = max(origin.step, cfg.warmup_steps)
+    frac = (step - s0) / max(1, cfg.steps - s0)
+    if cfg.token_budget:
+        frac = max(frac, (tokens - origin.tokens) / max(1, cfg.token_budget - origin.tokens))
+    return origin.progress + (1.0 - origin.progress) * max(0.0, frac)
+
+
+def lr_at(step: int, tokens: int, cfg: TrainConfig, origin: ScheduleOrigin = ScheduleOrigin()) -> float:
     """Learning rate of optimizer step `step` (0-based): linear warmup, then cosine down to min_lr_ratio.
 
     The cosine follows the run's progress, the larger of step/steps and tokens/token_budget, so it
-    ends where training stops whichever limit is hit first. A pure function of (step, tokens):
-    resuming needs no scheduler state.
+    ends where training stops whichever limit is hit first. A pure function of (step, tokens) and the
+    segment's origin, which trainer_state.pt keeps: resuming needs no other scheduler state.
     """
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    if cfg.token_budget:
-        progress = max(progress, tokens / cfg.token_budget)
-    cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, schedule_progress(step, tokens, cfg, origin))))
     return cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine)
 
 
@@ -293,7 +312,7 @@ def _train(target, drafter_cfg, train_cfg, out_dir, strategy, resume, on_step, d
     while run.step < train_cfg.steps and not (train_cfg.token_budget and run.tokens >= train_cfg.token_budget):
         # 3. One optimizer step: lr from the schedule, grad_accum micro-batches, clip, update.
         t0 = time.perf_counter()
-        lr = lr_at(run.step, run.tokens, train_cfg)
+        lr = lr_at(run.step, run.tokens, train_cfg, run.origin)
         for group in opt.param_groups:
             group["lr"] = lr
         step_tokens, outs = 0, []
@@ -362,6 +381,7 @@ class RunState:
     history: list[StepLog] = field(default_factory=list)
     val: list[ValLog] = field(default_factory=list)
     opt_state: dict | None = None  # a resumed run's saved optimizer state (loaded once the module is wrapped)
+    origin: ScheduleOrigin = ScheduleOrigin()  # the learning-rate schedule's current segment
 
 
 def _start_or_resume(
@@ -378,6 +398,8 @@ def _start_or_resume(
     if not (resume and (out_dir / CONFIG_FILE).exists()):
         model = strategy.build(cfg, target).to(device=target.model.device, dtype=torch.float32).train()
         strategy.prepare(model, cfg, target, train_cfg.data)  # data-dependent init (EAGLE-3 draft vocab)
+        if train_cfg.init_from:
+            _warm_start(model, cfg, target, train_cfg.init_from)
         return RunState(model, _optimizer(model, train_cfg), gen, DataCursor())
     state = _check_resumable(out_dir, target, cfg, train_cfg, n_train)
     model = load_module(out_dir, target, dtype=torch.float32).model.train()
@@ -386,7 +408,33 @@ def _start_or_resume(
     torch.set_rng_state(state["torch_rng"])
     history, val = _read_log(out_dir / LOG_FILE, state["step"])
     cursor = DataCursor(state["epoch"], state["index"])
-    return RunState(model, opt, gen, cursor, state["step"], state["tokens"], history, val, opt_state=state["optimizer"])
+    origin = ScheduleOrigin(*state.get("schedule_origin", (0, 0, 0.0)))
+    saved_cfg = replace(train_cfg, steps=state["train"]["steps"], token_budget=state["train"]["token_budget"])
+    if (saved_cfg.steps, saved_cfg.token_budget) != (train_cfg.steps, train_cfg.token_budget):
+        # a longer (or shorter) run: the cosine goes on from the progress reached, over what is left
+        p = schedule_progress(state["step"], state["tokens"], saved_cfg, origin) if state["step"] >= train_cfg.warmup_steps else 0.0
+        origin = ScheduleOrigin(state["step"], state["tokens"], min(1.0, p))
+    return RunState(model, opt, gen, cursor, state["step"], state["tokens"], history, val, opt_state=state["optimizer"],
+                    origin=origin)
+
+
+# Buffers a warm start keeps from `prepare` (the new data's draft vocabulary), not from the checkpoint.
+DATA_BUFFERS = ("draft_ids",)
+
+
+def _warm_start(model: torch.nn.Module, cfg: DrafterConfig, target: Target, src: str) -> None:
+    """Copy the trained weights of checkpoint `src` into the fresh `model` (same method, same shapes)."""
+    saved = load_module(src, target, dtype=torch.float32)
+    if saved.cfg.method != cfg.method:
+        raise ConfigError(f"--init-from {src}: a {saved.cfg.method} drafter cannot start a {cfg.method} run")
+    mine = model.state_dict()
+    theirs = {k: v for k, v in saved.model.state_dict().items() if k.split(".")[-1] not in DATA_BUFFERS}
+    bad = sorted(k for k in mine if k.split(".")[-1] not in DATA_BUFFERS and (k not in theirs or theirs[k].shape != mine[k].shape))
+    if bad or set(theirs) - set(mine):
+        raise ConfigError(f"--init-from {src}: its weights do not fit this drafter config (missing or reshaped: "
+                          f"{bad[:5]}; extra: {sorted(set(theirs) - set(mine))[:5]}); train with its config.json's drafter settings")
+    model.load_state_dict(theirs, strict=False)
+    print(f"warm start: drafter weights from {src} ({sum(v.numel() for v in theirs.values()) / 1e6:.1f}M values)", file=sys.stderr)
 
 
 def _save(run: RunState, out_dir: Path, target: Target, cfg: DrafterConfig, train_cfg: TrainConfig, n_train: int,
@@ -403,6 +451,7 @@ def _save(run: RunState, out_dir: Path, target: Target, cfg: DrafterConfig, trai
             "step": run.step, "tokens": run.tokens, "epoch": run.cursor.epoch, "index": run.cursor.index,
             "n_train": n_train, "train": asdict(train_cfg), "optimizer": opt_state,
             "generator": run.gen.get_state(), "torch_rng": torch.get_rng_state(), "world_size": dist.world,
+            "schedule_origin": [run.origin.step, run.origin.tokens, run.origin.progress],
         }  # fmt: skip
         with atomic_dir(out_dir) as tmp:
             prov = provenance(train_cfg.data, run.step, run.tokens, train=asdict(train_cfg), world_size=dist.world)
