@@ -279,6 +279,7 @@ class Speculation:
         if reason is not None:
             self.result.finish_reason, self.done = reason, True
         self.result.elapsed_s = time.perf_counter() - self.t_start if self.t_start else 0.0
+        self.drafter.end(list(self.out))
         return self.result
 
 

@@ -428,12 +428,15 @@ class Throughput:
         return self.output_tokens / self.wall_s
 
 
-def drafter_factory(spec: str, target: Target) -> Callable[[], Drafter]:
-    """Load a drafter (registry name or checkpoint dir) once; each call returns a fresh instance
-    sharing its weights (drafter state is reassigned in begin(), so a shallow copy suffices)."""
+def drafter_factory(spec: str, target: Target, suffix=None) -> Callable[[], Drafter]:
+    """Load a drafter (any loader spec) once; each call returns a fresh instance sharing its weights
+    and, for suffix drafters, the global tree (drafter state is reassigned in begin(), so a shallow
+    copy suffices; a hybrid's parts are copied too)."""
     from selfdraft.loader import load_drafter
 
-    proto = load_drafter(spec, target)
+    proto = load_drafter(spec, target, suffix=suffix)
+    if hasattr(proto, "fresh"):
+        return proto.fresh
     return lambda: copy.copy(proto)
 
 

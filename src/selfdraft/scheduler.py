@@ -144,6 +144,7 @@ class Admission:
 
     sps: Callable[[int], float] | None  # None: the threshold rule
     threshold: float = 0.0
+    cost: Callable[[int], float] | None = None  # SPS(B) without the drafting overhead (who chooses between drafters)
     a: float = 1.0  # a_{k-1}
     B: int = 1  # tokens in the forward: the anchor + drafts admitted
     tau: float = 1.0  # τ* so far
@@ -236,7 +237,7 @@ class Scheduler:
             return None
         if self.kind == "threshold":
             return Admission(None, self.threshold)
-        return Admission(with_overhead(self.cost, overhead_s))
+        return Admission(with_overhead(self.cost, overhead_s), cost=self.cost)
 
     def lengths(self, proposals: Sequence[Proposal], overhead_s: float = 0.0) -> list[int]:
         """ℓ_r for each request's proposal. Drafts without confidences are all verified (fixed).

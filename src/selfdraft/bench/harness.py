@@ -26,6 +26,7 @@ import torch
 
 from selfdraft.bench.datasets import DatasetError, PromptSet
 from selfdraft.config import DEFAULT_GAMMA, ConfigError, GenerationConfig, SamplingParams
+from selfdraft.methods.suffix.config import SuffixConfig
 
 if TYPE_CHECKING:
     from selfdraft.decode import GenerationResult
@@ -51,6 +52,7 @@ class BenchConfig:
     warmup: bool = True  # one untimed short generation per runner first (allocator, kernels, caches)
     progress: bool = True  # tqdm bar on stderr
     command: str = ""  # the exact command line, for the record
+    suffix: SuffixConfig = field(default_factory=SuffixConfig)  # the suffix / hybrid drafters' knobs (--suffix-*)
 
     def __post_init__(self) -> None:
         GenerationConfig(max_new_tokens=self.max_new_tokens, gamma=self.gamma)  # validates both
@@ -88,21 +90,23 @@ def parse_drafter_spec(text: str) -> DrafterSpec:
     head, at, kind = text.rpartition("@")
     if at and kind in SCHEDULERS + ("auto",) and head:
         return replace(parse_drafter_spec(head), scheduler=kind)
+    from selfdraft.loader import is_drafter_spec
+
     free = methods.names(trained=False)  # the methods that need no checkpoint
-    if text in free:
-        return DrafterSpec(text, text)
+    if is_drafter_spec(text) and not Path(text).expanduser().is_dir():
+        return DrafterSpec(text.partition(":")[0], text)  # a name, a variant (suffix+tree) or hybrid[+RULE]:DIR
     path = Path(text).expanduser()
     if not path.exists() and ":" in text:
         label, source = text.split(":", 1)
         if not label or not source:
             raise ConfigError(f"drafter spec {text!r}: expected LABEL:DIR with both parts non-empty")
-        if source not in free and not Path(source).expanduser().is_dir():
+        if not is_drafter_spec(source):
             raise ConfigError(f"drafter spec {text!r}: {source!r} is neither a drafter name "
                               f"({', '.join(sorted(free))}) nor a checkpoint directory")
         return DrafterSpec(label, source)
     if not path.is_dir():
         raise ConfigError(f"unknown drafter {text!r}: use one of {', '.join(sorted(free))}, "
-                          "a checkpoint directory, or LABEL:DIR")
+                          "a checkpoint directory, hybrid:DIR, or LABEL:DIR")
     return DrafterSpec(_checkpoint_label(path), text)
 
 
@@ -242,6 +246,7 @@ class Runner:
     kind: str  # "selfdraft" | "hf"
     source: str
     run: RunFn = field(repr=False)
+    forget: Callable[[], None] = field(default=lambda: None, repr=False)  # after the warm-up: drop what it taught
 
     def info(self) -> dict:
         return {"label": self.label, "kind": self.kind, "source": self.source}
@@ -252,7 +257,7 @@ def _our_runner(target: "Target", spec: DrafterSpec, cfg: BenchConfig) -> Runner
     from selfdraft.loader import load_drafter
     from selfdraft.profile import scheduler_for
 
-    drafter = load_drafter(spec.source, target)
+    drafter = load_drafter(spec.source, target, suffix=cfg.suffix)
     scheduler = scheduler_for(spec.scheduler or cfg.scheduler, target, drafter, cfg.gamma,
                               log=lambda m: print(m, file=sys.stderr))
 
@@ -262,7 +267,7 @@ def _our_runner(target: "Target", spec: DrafterSpec, cfg: BenchConfig) -> Runner
                        scheduler=scheduler)
         return Sample.from_result(res, cfg.gamma, spec.label, "", -1, -1)
 
-    return Runner(spec.label, "selfdraft", spec.source, run)
+    return Runner(spec.label, "selfdraft", spec.source, run, forget=drafter.forget)
 
 
 def _hf_runner(target: "Target", cfg: BenchConfig, prompt_lookup: bool) -> Runner:
@@ -403,6 +408,7 @@ def _run(target: "Target", runners: list[Runner], datasets: list[PromptSet], pro
     if cfg.warmup:
         for r in runners:
             r.run(prompts[0][0], cfg.seed, min(WARMUP_TOKENS, cfg.max_new_tokens))
+            r.forget()  # the suffix drafters' global tree starts cold, then warms in prompt order
 
     from selfdraft.progress import progress_bar
 

@@ -18,6 +18,7 @@ from selfdraft.cli.common import (
     default_of,
     int_list,
     make_scheduler,
+    with_suffix_options,
     with_target_options,
 )
 from selfdraft.config import DEFAULT_GAMMA, GenerationConfig, SamplingParams
@@ -29,10 +30,12 @@ def register(app: typer.Typer) -> None:
 
 
 @with_target_options(compile=True)
+@with_suffix_options
 def bench_cmd(
     target_options: TargetOptions,
+    suffix,
     out: Path = typer.Option(..., "--out", "-o", help="output dir: results.json, report.md, PNG plots"),
-    drafters: str = typer.Option("none,ngram", "--drafters", help="comma list: NAME | LABEL:DIR | DIR (checkpoint), each with an optional @SCHEDULER"),
+    drafters: str = typer.Option("none,ngram", "--drafters", help="comma list: NAME (none, ngram, suffix, suffix+tree, suffix+cold) | DIR (checkpoint) | hybrid[+RULE]:DIR | LABEL:any of these, each with an optional @SCHEDULER"),
     datasets: str = typer.Option("mt-bench,humaneval,gsm8k", "--datasets", help="comma list of bundled names or JSONL paths"),
     num_prompts: int = typer.Option(10, "--num-prompts", help="first N prompts of each dataset"),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
@@ -53,7 +56,7 @@ def bench_cmd(
     check_gamma(gamma)
     cfg = BenchConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, gamma=gamma,
                       repeats=repeats, seed=seed, peers=peers, scheduler=scheduler,
-                      command=shlex.join(["selfdraft", *sys.argv[1:]]))
+                      command=shlex.join(["selfdraft", *sys.argv[1:]]), suffix=suffix)
     sets = [load_prompt_set(s.strip(), num_prompts) for s in datasets.split(",") if s.strip()]
     specs = [parse_drafter_spec(s) for s in drafters.split(",") if s.strip()]
     tgt = target_options.load(gamma)

@@ -145,6 +145,29 @@ def with_target_options(compile: bool = False) -> Callable[[Callable], Callable]
     return deco
 
 
+def with_suffix_options(fn: Callable) -> Callable:
+    """A command's `suffix: SuffixConfig` parameter becomes one --suffix-FIELD option per SuffixConfig
+    field (its default shown): the knobs of the `suffix` and `hybrid:DIR` drafters."""
+    from selfdraft.methods.suffix.config import SuffixConfig
+
+    fields = [f for f in dataclasses.fields(SuffixConfig) if f.name != "tree"]  # tree: the suffix+tree drafter
+    types = {"int": int, "float": float}
+    sig = inspect.signature(fn)
+    params = [p for p in sig.parameters.values() if p.name != "suffix"]
+    params += [inspect.Parameter(f"suffix_{f.name}", inspect.Parameter.KEYWORD_ONLY, annotation=types[f.type],
+                                 default=typer.Option(f.default, f"--suffix-{f.name.replace('_', '-')}",
+                                                      help=f"suffix / hybrid drafters: {f.name} (docs/methods/suffix.md)"))
+               for f in fields]
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        cfg = SuffixConfig(**{f.name: kwargs.pop(f"suffix_{f.name}") for f in fields})
+        return fn(*args, suffix=cfg, **kwargs)
+
+    run.__signature__ = sig.replace(parameters=params)
+    return run
+
+
 def make_scheduler(kind: str, threshold: float | None, cost=None):
     """A Scheduler of `kind`; --threshold only when given (else the scheduler's default)."""
     from selfdraft.scheduler import Scheduler

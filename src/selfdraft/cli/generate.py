@@ -18,6 +18,7 @@ from selfdraft.cli.common import (
     command,
     default_of,
     note,
+    with_suffix_options,
     with_target_options,
 )
 from selfdraft.config import ConfigError, GenerationConfig, SamplingParams
@@ -47,11 +48,14 @@ class TextStream:
 
 
 @with_target_options(compile=True)
+@with_suffix_options
 def generate(
     target_options: TargetOptions,
+    suffix,
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="prompt text"),
     prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", help="file holding the prompt"),
-    drafter: str = typer.Option("ngram", "--drafter", "-d", help="registry name (none, ngram) or a checkpoint dir"),
+    drafter: str = typer.Option("ngram", "--drafter", "-d", help="none | ngram | suffix | suffix+tree | a checkpoint dir | "
+                                "hybrid[+RULE]:DIR (suffix + a trained drafter, docs/methods/hybrid.md)"),
     chat: bool = typer.Option(True, "--chat/--no-chat", help="wrap the prompt in the chat template"),
     max_new_tokens: int = typer.Option(default_of(GenerationConfig, "max_new_tokens"), "--max-new-tokens", "-n"),
     gamma: int = GammaOpt,
@@ -76,7 +80,7 @@ def generate(
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, gamma=gamma)
     tgt = target_options.load(gamma)
-    draft = load_drafter(drafter, tgt)
+    draft = load_drafter(drafter, tgt, suffix=suffix)
     sched = scheduler_for(scheduler, tgt, draft, gamma, log=note)
     ids = tgt.encode_prompt(text, chat=chat)
     stream = TextStream(tgt, enabled=not as_json)

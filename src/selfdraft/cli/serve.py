@@ -16,6 +16,7 @@ from selfdraft.cli.common import (
     check_gamma,
     command,
     note,
+    with_suffix_options,
     with_target_options,
 )
 from selfdraft.config import DEFAULT_PREFILL_CHUNK, ConfigError
@@ -26,9 +27,12 @@ def register(app: typer.Typer) -> None:
 
 
 @with_target_options(compile=False)
+@with_suffix_options
 def serve_cmd(
     target_options: TargetOptions,
-    drafter: str = typer.Option("ngram", "--drafter", "-d", help="registry name (none, ngram) or a checkpoint dir"),
+    suffix,
+    drafter: str = typer.Option("ngram", "--drafter", "-d", help="none | ngram | suffix | suffix+tree | a checkpoint dir | "
+                                "hybrid[+RULE]:DIR; suffix drafters share one global tree over the served responses"),
     scheduler: str = SchedulerOpt,
     threshold: Optional[float] = ThresholdOpt,
     host: str = typer.Option("127.0.0.1", "--host", help="bind address (loopback by default)"),
@@ -53,7 +57,7 @@ def serve_cmd(
         raise ConfigError("--max-concurrency, --max-batch, --prefill-chunk and --max-body-size must be >= 1")
     check_gamma(gamma)
     tgt = target_options.load()
-    make = drafter_factory(drafter, tgt)
+    make = drafter_factory(drafter, tgt, suffix=suffix)
     batch = max_batch or max_concurrency
     sched = scheduler_for(scheduler, tgt, make(), gamma, threshold, log=note, batch_tokens=min(128, batch * (gamma + 1)))
     name = model_name or Path(tgt.name).name

@@ -89,6 +89,13 @@ class Drafter:
         """After verification: step is sliced to the committed positions ([1, n_accepted + 1, ...]):
         the previous anchor and the accepted drafts. The new anchor is verification.next_token."""
 
+    def end(self, generated: list[int]) -> None:
+        """After the request's last round (any finish reason): its generated tokens. Drafters that
+        learn from earlier responses (suffix's global tree) keep them here."""
+
+    def forget(self) -> None:
+        """Drop what earlier requests taught (a benchmark's warm-up must not warm the suffix tree)."""
+
     def batch_key(self) -> object | None:
         """Drafters with the same non-None key draft together in one `propose_many` call."""
         return None

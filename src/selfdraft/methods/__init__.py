@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 METHODS: dict[str, str] = {
     "none": "selfdraft.methods.none",
     "ngram": "selfdraft.methods.ngram",
+    "suffix": "selfdraft.methods.suffix",
     "mtp": "selfdraft.methods.mtp",
     "eagle3": "selfdraft.methods.eagle3",
     "dflash": "selfdraft.methods.dflash",
