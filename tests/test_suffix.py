@@ -33,11 +33,17 @@ def occurrences(seqs: list[list[int]], u: tuple[int, ...]) -> int:
 
 def followers(seqs: list[list[int]], u: tuple[int, ...]) -> dict[int, int]:
     """Brute force: how often each token follows an occurrence of u."""
-    out: dict[int, int] = {}
-    for s in seqs:
+    return {t: n for t, (n, _) in followers_last(seqs, u).items()}
+
+
+def followers_last(seqs, u) -> dict[int, tuple[int, tuple[int, int]]]:
+    """Each follower of u: (count, (sequence, position) of its latest occurrence)."""
+    out: dict[int, tuple[int, tuple[int, int]]] = {}
+    for k, s in enumerate(seqs):
         for i in range(len(s) - len(u)):
             if tuple(s[i : i + len(u)]) == u:
-                out[s[i + len(u)]] = out.get(s[i + len(u)], 0) + 1
+                n, _ = out.get(s[i + len(u)], (0, None))
+                out[s[i + len(u)]] = (n + 1, (k, i))
     return out
 
 
@@ -62,12 +68,12 @@ def reference_draft(seqs, context, gamma, cfg: SuffixConfig) -> tuple[list[int],
     n = max(1, min(gamma, int(cfg.max_spec_factor * m + cfg.max_spec_offset)))
     u, toks, probs, cum = tuple(context[-m:]), [], [], 1.0
     while len(toks) < n and len(u) < cfg.max_depth:
-        f = followers(seqs, u)
+        f = followers_last(seqs, u)
         if not f:
             break
-        t = max(f, key=lambda k: (f[k], -list(f).index(k)))
-        p = f[t] / sum(f.values())
-        if cum * p < cfg.min_token_prob or max(f.values()) != f[t]:
+        t = max(f, key=lambda k: f[k])  # the most frequent; equally frequent: the latest
+        p = f[t][0] / sum(n for n, _ in f.values())
+        if cum * p < cfg.min_token_prob:
             break
         toks.append(t), probs.append(p)
         cum, u = cum * p, u + (t,)
@@ -115,9 +121,7 @@ def test_chain_draft_equals_the_brute_force_reference(seed):
         context = [rng.randrange(3) for _ in range(rng.randrange(1, 10))]
         d = draft_from(tree, context, 4, cfg)
         toks, probs, m = reference_draft(seqs, context, 4, cfg)
-        assert d.match_len == m and d.tokens[: len(toks)] == toks[: len(d.tokens)]
-        if len(set(followers(seqs, tuple(context[-m:])).values())) == len(followers(seqs, tuple(context[-m:]))):
-            assert d.tokens == toks and d.probs == pytest.approx(probs)  # no tie to break differently
+        assert d.match_len == m and d.tokens == toks and d.probs == pytest.approx(probs)
 
 
 def test_tree_draft_expands_by_probability_and_keeps_parents_before_children():
@@ -144,7 +148,7 @@ def test_a_draft_follows_the_frequencies_and_stops_below_min_token_prob():
     d = draft_from(tree, [4, 5, 6], 6, SuffixConfig(max_depth=10, max_spec_factor=3.0, min_token_prob=0.5))
     assert d.match_len == 2 and d.tokens == [7, 8, 9, 5, 6, 7]
     assert d.probs[0] == pytest.approx(3 / 4)  # 5 6 was followed by 7 three times, by 1 once
-    short = draft_from(tree, [4, 5, 6], 6, SuffixConfig(max_depth=10, max_spec_factor=1.0))
+    short = draft_from(tree, [4, 5, 6], 6, SuffixConfig(max_depth=10, max_spec_factor=1.0, max_spec_offset=0))
     assert len(short.tokens) == 2  # at most factor x match length
 
 
@@ -257,8 +261,8 @@ def test_hybrid_sampling_follows_the_target_law(small_target, rule):
     neural = ConfidentModelDrafter(tiny_llama(vocab=V_SMALL, hidden=16, layers=2, seed=2, peaked=1.0))
     make = lambda: HybridDrafter(neural, SuffixDrafter(config=shared.config, cache=shared.cache), rule)  # noqa: E731
     table = CostTable((1, 2, 4), (100.0, 90.0, 40.0))
-    assert joint_pvalue(small_target, make, scheduler=Scheduler("hardware", cost=table)) > 1e-3
-    assert joint_pvalue(small_target, make, n=800, engine=True) > 1e-3
+    assert joint_pvalue(small_target, make, n=800, scheduler=Scheduler("hardware", cost=table)) > 1e-3
+    assert joint_pvalue(small_target, make, n=400, engine=True) > 1e-3
 
 
 class PeekingHybrid(HybridDrafter):

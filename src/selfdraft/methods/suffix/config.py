@@ -9,14 +9,17 @@ from selfdraft.config import ConfigError
 
 @dataclass(frozen=True)
 class SuffixConfig:
-    """Defaults follow SuffixDecoding (arXiv 2411.04975) and Arctic Inference, except the cache bound,
-    sized for trees of Python objects (~0.1 KB a node, docs/methods/suffix.md#memory)."""
+    """max_depth follows SuffixDecoding (arXiv 2411.04975) and Arctic Inference; the draft length and
+    probability floor were chosen by replaying greedy outputs of the bundled sets
+    (docs/methods/suffix.md#choosing-the-defaults): Arctic's 1.0 / 0 / 0.1 cut drafts after short
+    matches that prompt lookup would have followed. The cache bound is sized for trees of Python
+    objects (docs/methods/suffix.md#memory)."""
 
     max_depth: int = 24  # longest path stored in a tree (match length + draft length)
-    max_spec_factor: float = 1.0  # a draft of at most factor x match length + offset tokens (and γ)
-    max_spec_offset: float = 0.0
-    min_token_prob: float = 0.1  # stop once the draft's cumulative probability falls below this
-    max_cached_requests: int = 256  # responses in the global tree (FIFO); 0 = no global tree
+    max_spec_factor: float = 4.0  # a draft of at most factor x match length + offset tokens (and γ)
+    max_spec_offset: float = 2.0
+    min_token_prob: float = 0.05  # stop once the draft's cumulative probability falls below this
+    max_cached_requests: int = 64  # responses in the global tree (FIFO); 0 = no global tree (<= ~6k nodes, 1.8 MB each)
     tree: bool = False  # draft a tree (best-first by cumulative probability) instead of a chain
 
     def __post_init__(self) -> None:

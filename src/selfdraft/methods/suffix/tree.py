@@ -11,14 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-NODE_BYTES = 184  # measured: one Node with a one-entry dict (sys.getsizeof of the object, its dict, the entry)
+NODE_BYTES = 300  # measured: a Node (slots) + its one-entry dict, 272 bytes, + the key int (sys.getsizeof)
 
 
 class Node:
-    __slots__ = ("count", "children")
+    __slots__ = ("count", "last", "children")
 
     def __init__(self) -> None:
         self.count = 0
+        self.last = 0  # when the path last occurred (the tree's append clock): ties go to the most recent
         self.children: dict[int, Node] = {}
 
 
@@ -35,6 +36,7 @@ class SuffixTree:
     max_depth: int
     root: Node = field(default_factory=Node)
     nodes: int = 0
+    clock: int = 0  # tokens appended so far
     _active: list[Node] = field(default_factory=list)  # nodes of the current sequence's suffixes (append)
 
     @property
@@ -45,12 +47,14 @@ class SuffixTree:
     def append(self, token: int) -> None:
         """Extend the sequence being inserted by one token (O(max_depth) dict operations)."""
         nxt = []
+        self.clock += 1
         for node in [self.root] + self._active[: self.max_depth - 1]:
             child = node.children.get(token)
             if child is None:
                 child = node.children[token] = Node()
                 self.nodes += 1
             child.count += 1
+            child.last = self.clock
             nxt.append(child)
         self._active = nxt  # [suffix of length 1, 2, ...]
 
@@ -102,6 +106,8 @@ def _size(node: Node) -> int:
 
 
 def continuation_probs(node: Node) -> list[tuple[int, float, Node]]:
-    """(token, P(token | path), child) for each continuation, most frequent first."""
+    """(token, P(token | path), child) for each continuation, most frequent first (equally frequent:
+    the most recent first, as prompt lookup prefers the latest match)."""
     total = sum(c.count for c in node.children.values())
-    return sorted(((t, c.count / total, c) for t, c in node.children.items()), key=lambda x: -x[1])
+    items = sorted(node.children.items(), key=lambda tc: (-tc[1].count, -tc[1].last))
+    return [(t, c.count / total, c) for t, c in items]
