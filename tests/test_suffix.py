@@ -317,3 +317,30 @@ def test_hybrid_cost_rule_refuses_a_drafter_without_confidences(tiny_target):
     with pytest.raises(ConfigError, match="has none"):
         HybridDrafter(ModelDrafter(tiny_llama(vocab=tiny_target.vocab_size, seed=7)), SuffixDrafter(), "cost")
     HybridDrafter(ModelDrafter(tiny_llama(vocab=tiny_target.vocab_size, seed=7)), SuffixDrafter(), "sam")  # fine
+
+
+def test_cli_bad_suffix_and_hybrid_input_is_one_line_exit_2(tmp_path):
+    """Absurd --suffix-* values and broken hybrid specs: exit 2 and one `error:` line, no traceback."""
+    from typer.testing import CliRunner
+
+    from selfdraft.cli import app
+    from tests.test_serve import char_tokenizer
+
+    tok, d = char_tokenizer(), tmp_path / "tiny-chat"
+    tiny_llama(vocab=len(tok), hidden=32, layers=2, seed=3, max_pos=512).save_pretrained(d)
+    tok.save_pretrained(d)
+    base = ["generate", "-p", "hello", "--target", str(d), "--dtype", "float32", "-n", "4"]
+    cases = [
+        (["--drafter", "suffix", "--suffix-min-token-prob", "2"], "min_token_prob must be in [0, 1]"),
+        (["--drafter", "suffix", "--suffix-max-depth", "0"], "max_depth must be in [2, 1024]"),
+        (["--drafter", "suffix", "--suffix-max-cached-requests", "-5"], "max_cached_requests"),
+        (["--drafter", "hybrid:"], "needs a trained drafter"),
+        (["--drafter", "hybrid:" + str(tmp_path / "missing")], "not a drafter checkpoint directory"),
+        (["--drafter", "hybrid+nope:" + str(tmp_path)], "unknown rule"),
+    ]
+    for extra, match in cases:
+        res = CliRunner().invoke(app, base + extra)
+        assert res.exit_code == 2 and match in res.output and "Traceback" not in res.output, (extra, res.output)
+        assert len([line for line in res.output.splitlines() if line.startswith("error:")]) == 1
+    ok = CliRunner().invoke(app, base + ["--drafter", "suffix", "--json"])
+    assert ok.exit_code == 0, ok.output
