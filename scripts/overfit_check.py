@@ -24,6 +24,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--goal", type=float, default=0.9)
+    ap.add_argument("--ce-only", action="store_true", help="train on cross-entropy against the data's tokens alone "
+                    "(the default loss is 0.9 TV to the target's distribution, whose argmax is not always the sampled token)")
     args = ap.parse_args()
     data = args.out / "data"
     if data.exists():
@@ -45,7 +47,7 @@ def main() -> int:
            "--no-resume", "--feature-layers", "1,8,14,20,27", "--loss-vocab-size", "8192", "--mask-token-id", "16",
            "--qk-norm", "--random-init", "--anchors-per-seq", "512", "--batch-size", "2", "--lr", "2e-3",
            "--warmup-steps", "20", "--steps", str(args.steps), "--val-every", "0", "--save-every", "0",
-           "--val-batches", "1", "--threads", str(args.threads)]
+           "--val-batches", "1", "--threads", str(args.threads)] + (["--w-ce", "1", "--w-tv", "0"] if args.ce_only else [])
     print("$", " ".join(cmd), file=sys.stderr)
     subprocess.run(cmd, check=True)
     log = [json.loads(x) for x in (ckpt / "train_log.jsonl").read_text().splitlines()]
