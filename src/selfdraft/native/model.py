@@ -324,7 +324,7 @@ class NativeModel:
 
     def _slots(self, past: torch.Tensor, T: int) -> torch.Tensor:
         """[B] host lengths -> [B, T] slots (= positions) of the new tokens, on the device."""
-        return (past[:, None] + torch.arange(T)).to(self.device)
+        return past.to(self.device)[:, None] + torch.arange(T, device=self.device)
 
     def _mask(self, past: torch.Tensor, T: int, Lk: int, uniform: bool, given: torch.Tensor | None) -> torch.Tensor | None:
         """[B, 1, T, Lk] (True = visible) or None when every cached key and the whole block are visible.
