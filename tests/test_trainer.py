@@ -264,7 +264,7 @@ def test_train_options_are_the_config_fields(monkeypatch, tmp_path):
     drafter |= {f.name for m in methods.names(trained=True) for f in dataclasses.fields(methods.get(m).config)}
     assert {"mtp_recursive", "tree_depth", "markov_rank", "mask_token_id", "num_layers"} <= drafter
     fields = drafter | {f.name for f in dataclasses.fields(TrainConfig)}
-    assert fields <= params and params - fields == {"out", "target", "config", "resume", "final_only", "threads", "dtype"}
+    assert fields <= params and params - fields == {"out", "target", "config", "resume", "final_only", "threads", "dtype", "device"}
     helps = {p.name: p.help for p in command.params}
     assert helps["tree_depth"].startswith("eagle3: ") and helps["markov_rank"].startswith("dspark: ")
     assert helps["mask_token_id"].startswith("dflash/dspark: ") and helps["mtp_decay"].startswith("mtp: ")

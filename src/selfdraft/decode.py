@@ -24,7 +24,7 @@ from selfdraft.sampling import block_contexts, probs_from_logits, process_logits
 from selfdraft.scheduler import AcceptanceHistory, Scheduler
 from selfdraft.target import Target, TargetError, TargetStep
 from selfdraft.tree import ancestor_mask, depths, tree_inputs
-from selfdraft.verify import Verification, verify_chain, verify_greedy, verify_tree
+from selfdraft.verify import Verification, verify_chain, verify_greedy, verify_tree, verify_tree_greedy
 
 
 @dataclass
@@ -74,17 +74,24 @@ class GenerationResult:
 
 def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, generator,
            generated: Sequence[int] = ()) -> Verification:
-    """logits: [γ'+1, V] target logits at [anchor, drafts]. Dispatches tree vs greedy vs rejection sampling.
+    """logits: [γ'+1, V] target logits at [anchor, drafts] (on the target's device). Dispatches tree vs
+    greedy vs rejection sampling.
 
-    Runs on the CPU (a no-op there): the request's generator is a CPU one, whatever the target's device.
-    generated: the request's generated tokens so far, anchor included (what penalties count)."""
-    logits, proposal = logits.cpu(), proposal.cpu()
+    Greedy runs where the logits are (processors, argmax, acceptance) and copies γ'+2 ids to the host
+    once; sampling runs on the CPU (a no-op there), where the request's CPU generator draws, whatever
+    the target's device. generated: the request's generated tokens so far, anchor included (what
+    penalties count)."""
+    proposal = proposal.cpu()
+    if not params.greedy:
+        logits = logits.cpu()
     if params.has_processors:  # each row with its own context: the drafts before it
         logits = process_logits(logits, params, _row_contexts(generated, proposal, logits.shape[0]))
-    if proposal.parents is not None:  # a draft tree: the sibling rule (greedy = one-hot p)
-        return verify_tree(probs_from_logits(logits, params), proposal.tokens, proposal.parents, generator)
-    if params.greedy:
+    if params.greedy:  # p one-hot at the argmax: a tree's sibling rule walks the argmax path
+        if proposal.parents is not None:
+            return verify_tree_greedy(logits, proposal.tokens, proposal.parents)
         return verify_greedy(logits, proposal.tokens)
+    if proposal.parents is not None:  # a draft tree: the sibling rule
+        return verify_tree(probs_from_logits(logits, params), proposal.tokens, proposal.parents, generator)
     return verify_chain(probs_from_logits(logits, params), proposal.tokens, proposal.q, generator)
 
 

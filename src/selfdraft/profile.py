@@ -1,6 +1,7 @@
 """The hardware cost table SPS(B) (docs/scheduler.md#cost-table): target forwards per second when one forward
 carries B tokens, measured once per (target, dtype, machine) and stored beside the target cache as
-cache_root()/profiles/<fingerprint>-<dtype>.json; the hardware scheduler interpolates it.
+cache_root()/profiles/<fingerprint>-<key>.json (Target.profile_key: backend, weights, dtype and, off
+the CPU, the device); the hardware scheduler interpolates it.
 
 A forward of B tokens as one row over a KV of `kv_len` costs what the engine's padded forward of
 R rows × W tokens (R·W = B) over per-row KV `kv_len` costs: the same tokens through the linear
@@ -67,24 +68,37 @@ def measure_sps(target: Target, dtype: str, batch_tokens: list[int], kv_len: int
     one warm-up round, then `repeats` rounds over all B. The fastest is kept: on a shared machine
     other jobs only ever add time (measured here: 1-thread decode 64-205 ms)."""
     g = torch.Generator().manual_seed(0)
+    dev = target.device
     cache = target.new_cache()
     target.forward(torch.randint(0, target.vocab_size, (1, kv_len), generator=g), cache, last_only=True)
-    inputs = [torch.randint(0, target.vocab_size, (1, B), generator=g) for B in batch_tokens]
+    # the inputs wait on the device, so a timed forward is the forward, not a host-to-device copy
+    inputs = [torch.randint(0, target.vocab_size, (1, B), generator=g).to(dev) for B in batch_tokens]
     times: list[list[float]] = [[] for _ in batch_tokens]
     for rep in range(repeats + 1):  # round-robin over B: a busy spell slows every B alike
         for i, ids in enumerate(inputs):
+            synchronize(dev)  # a GPU runs kernels asynchronously: the clock must wait for them
             t0 = time.perf_counter()
             target.forward(ids, cache)
+            synchronize(dev)
             if rep:
                 times[i].append(time.perf_counter() - t0)
             target.rollback(cache, kv_len)
     seconds = [min(t) for t in times]
+    machine = f"{platform.machine()} {platform.processor()} {os.cpu_count()} cpus"
+    if dev.type == "cuda":
+        machine += f", {torch.cuda.get_device_name(dev)}"
     return Profile(
         target=target.name, fingerprint=target.fingerprint(), dtype=dtype, kv_len=kv_len,
-        threads=torch.get_num_threads(), machine=f"{platform.machine()} {platform.processor()} {os.cpu_count()} cpus",
+        threads=torch.get_num_threads(), machine=machine,
         time=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         batch_tokens=list(batch_tokens), seconds=seconds,
     )  # fmt: skip
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued kernels (CUDA); a no-op on the CPU, whose ops finish when they return."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def save_profile(profile: Profile, path: Path) -> None:

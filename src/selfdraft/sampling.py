@@ -77,13 +77,19 @@ def block_contexts(generated: Sequence[int], drafts: Sequence[int], n: int) -> l
     return [list(generated) + drafts[:i] for i in range(n)]
 
 
+def multinomial(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """[B, V] probabilities -> [B, 1] draws, on the probabilities' device. A request's generator is a
+    CPU one (its seed means the same stream on every machine), and torch draws only on the
+    generator's own device: GPU probabilities come to the CPU for the draw, the ids go back."""
+    if generator is not None and generator.device != probs.device:
+        return torch.multinomial(probs.cpu(), 1, generator=generator).to(probs.device)
+    return torch.multinomial(probs, 1, generator=generator)
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """[..., V] probabilities -> [...] token ids (int64)."""
     flat = probs.reshape(-1, probs.shape[-1])
-    if generator is not None and generator.device != flat.device:  # a CPU generator drawing for a GPU drafter
-        return torch.multinomial(flat.cpu(), 1, generator=generator).squeeze(-1).reshape(probs.shape[:-1]).to(probs.device)
-    out = torch.multinomial(flat, 1, generator=generator).squeeze(-1)
-    return out.reshape(probs.shape[:-1])
+    return multinomial(flat, generator).squeeze(-1).reshape(probs.shape[:-1])
 
 
 # The nucleus is looked for among this many best tokens before sorting the whole vocabulary.
@@ -123,7 +129,7 @@ def sample_logits(logits: torch.Tensor, params: SamplingParams, generator: torch
     if cand is None:
         return sample(probs_from_logits(logits, params), generator)
     idx, probs = cand
-    return idx.gather(-1, torch.multinomial(probs, 1, generator=generator)).squeeze(-1)  # [B]
+    return idx.gather(-1, multinomial(probs, generator)).squeeze(-1)  # [B]
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -171,6 +171,8 @@ class Admission:
 
     def count(self, confidences) -> int:
         """Admit c_1, c_2, .. in order; how many were admitted before the first refusal."""
+        if isinstance(confidences, torch.Tensor):  # one host copy, not one per c_k (a GPU drafter's)
+            confidences = confidences.tolist()
         n = 0
         for c in confidences:
             if not self.admit(float(c)):

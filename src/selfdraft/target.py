@@ -67,10 +67,7 @@ def resolve_options(backend: str, weights: str, dtype: str | None, device: str) 
             raise ConfigError(f"--{opt} must be one of {', '.join(allowed)}, got {val!r}")
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    elif device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device is available to this PyTorch")
+    device = resolve_device(device)
     if weights in ("fp16", "int8", "int4") and backend == "hf":
         raise ConfigError(f"--weights {weights} needs the native backend (--backend native or auto)")
     compute = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float32"}  # activation dtype
@@ -81,6 +78,30 @@ def resolve_options(backend: str, weights: str, dtype: str | None, device: str) 
     if dtype is None:  # bf16 halves HF's per-op overhead; the native kernels are fastest in fp32 on CPU
         dtype = "bfloat16" if backend == "hf" or device == "cuda" else "float32"
     return weights, dtype, device
+
+
+def resolve_device(device: str) -> str:
+    """--device auto | cpu | cuda -> cpu or cuda (auto: cuda when PyTorch sees a GPU); a CUDA request on a
+    machine without one is a one-line ConfigError, not a traceback from deep inside torch."""
+    if device not in DEVICES:
+        raise ConfigError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is available to this PyTorch "
+                          f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'none'}); use --device cpu")
+    return device
+
+
+def device_tag(device: torch.device) -> str:
+    """'' on the CPU (the profile keys of before), else the accelerator's kind and model, e.g.
+    'cuda-nvidia-h200': a cost table measured on one device must never price another."""
+    if device.type == "cpu":
+        return ""
+    name = device.type
+    if device.type == "cuda":
+        name += "-" + torch.cuda.get_device_name(device)
+    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
 
 
 class Target:
@@ -193,10 +214,14 @@ class Target:
     @property
     def profile_key(self) -> str:
         """Names this target's cost profile: the HF backend's dtype (as before native existed), or
-        the native backend, weights and compute dtype ('native-int8-float32'; '-compiled' with --compile)."""
+        the native backend, weights and compute dtype ('native-int8-float32'; '-compiled' with --compile),
+        then the device off the CPU ('native-bf16-bfloat16-cuda-nvidia-h200'): SPS(B) is a property of
+        the device, and a CPU profile would tell a GPU that verifying costs γ times a decode step."""
         dtype = str(self.model.dtype).removeprefix("torch.")
         compiled = "-compiled" if self.native is not None and self.native.compiled is not None else ""
-        return dtype if self.backend == "hf" else f"native-{self.weights}-{dtype}{compiled}"
+        key = dtype if self.backend == "hf" else f"native-{self.weights}-{dtype}{compiled}"
+        tag = device_tag(self.device)
+        return f"{key}-{tag}" if tag else key
 
     @property
     def format(self) -> str:
@@ -325,7 +350,8 @@ class Target:
         """
         if self._fingerprint is None:
             w = self.model.get_output_embeddings().weight.detach()[::97].to(torch.bfloat16)
-            h = hashlib.sha256(w.float().numpy().tobytes())
+            # numpy reads host memory only: the rows come to the CPU first (bf16 rounding is the same there)
+            h = hashlib.sha256(w.float().cpu().numpy().tobytes())
             h.update(f"{self.vocab_size}:{self.hidden_size}:{self.num_layers}".encode())
             self._fingerprint = h.hexdigest()[:16]
         return self._fingerprint

@@ -22,16 +22,23 @@ class Verification:
     tokens: list[int]  # accepted drafts followed by next_token (len num_accepted + 1)
 
 
+def greedy_outcome(target_logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+    """T = 0 on the logits' device: [γ+1, V] logits, [γ] drafts -> [γ+2] int64 = the target's argmax
+    at every row, then the number of drafts accepted (x_k == argmax p_k for k = 1..n). One copy of
+    these γ+2 ids is all a GPU round sends to the host, instead of the [γ+1, V] logits."""
+    best = target_logits.argmax(-1)  # [γ+1]
+    gamma = drafts.shape[0]
+    n = (best[:gamma] == drafts.to(best.device)).int().cumprod(0).sum()  # 0 when γ = 0
+    return torch.cat([best, n.view(1).to(best.dtype)])
+
+
 def verify_greedy(target_logits: torch.Tensor, drafts: torch.Tensor) -> Verification:
     """T = 0: accept while x_k == argmax p_k; then add the target's argmax (correction or bonus).
 
-    target_logits: [γ+1, V], drafts: [γ] int64.
+    target_logits: [γ+1, V] (any device), drafts: [γ] int64 on the CPU.
     """
-    best = target_logits.argmax(-1)  # [γ+1]
-    gamma = drafts.shape[0]
-    match = (best[:gamma] == drafts).int()
-    n = int(match.cumprod(0).sum()) if gamma else 0
-    return Verification(n, int(best[n]), drafts[:n].tolist() + [int(best[n])])
+    *best, n = greedy_outcome(target_logits, drafts).tolist()  # the round's one host copy
+    return Verification(n, best[n], drafts[:n].tolist() + [best[n]])
 
 
 def verify_chain(
@@ -61,6 +68,24 @@ def verify_chain(
 @dataclass
 class TreeVerification(Verification):
     path: list[int] = field(default_factory=list)  # accepted node indices, root to leaf (len num_accepted)
+
+
+def verify_tree_greedy(target_logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor) -> TreeVerification:
+    """The sibling rule at T = 0 (p one-hot at each row's argmax): from the anchor, accept the first
+    child whose token is its row's argmax; the round ends with the argmax of the last accepted row.
+    The argmax runs on the logits' device and one copy of N+1 ids reaches the host. Tokens equal
+    `verify_tree` with one-hot p, which also ends at the argmax (it only draws it from the generator)."""
+    from selfdraft.tree import children
+
+    best = target_logits.argmax(-1).tolist()  # [N+1]: the round's one host copy
+    kids, toks = children(parents), tokens.tolist()
+    row, path = 0, []
+    while True:
+        child = next((c for c in kids[row] if toks[c] == best[row]), None)
+        if child is None:
+            return TreeVerification(len(path), best[row], [toks[i] for i in path] + [best[row]], path)
+        path.append(child)
+        row = child + 1
 
 
 def verify_tree(

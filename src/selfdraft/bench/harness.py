@@ -285,10 +285,12 @@ def _hf_runner(target: "Target", cfg: BenchConfig, prompt_lookup: bool) -> Runne
     source = f"transformers.generate(prompt_lookup_num_tokens={cfg.gamma})" if prompt_lookup else "transformers.generate()"
 
     def run(ids: list[int], seed: int, max_new_tokens: int) -> Sample:
-        inp = torch.tensor([ids])  # [1, P]
+        inp = torch.tensor([ids], device=model.device)  # [1, P] where the model is (HF does not move it)
         torch.manual_seed(seed)
         t0 = time.perf_counter()
         out = model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=max_new_tokens, **kwargs)
+        if out.device.type == "cuda":  # the clock stops when the GPU has finished, as ours does (it reads the tokens)
+            torch.cuda.synchronize(out.device)
         elapsed = time.perf_counter() - t0
         new = out[0, len(ids):].tolist()  # out: [1, P + n]
         finish = "eos" if new and new[-1] in target.eos_ids else "length"

@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from selfdraft.cli.common import ComputeDtypeOpt, DtypeOpt, TargetOpt, ThreadsOpt, command, set_threads, warn
+from selfdraft.cli.common import ComputeDtypeOpt, DeviceOpt, DtypeOpt, TargetOpt, ThreadsOpt, command, set_threads, warn
 
 
 def register(app: typer.Typer) -> None:
@@ -67,6 +67,7 @@ def data_regenerate(
     seed: int = typer.Option(0, "--seed"),
     threads: int = ThreadsOpt,
     dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
 ) -> None:
     """Have the target answer prompts through its chat template; write JSONL shards + manifest."""
     import shlex
@@ -75,7 +76,7 @@ def data_regenerate(
     from selfdraft.training.regenerate import RegenConfig, recommended_sampling, regenerate
 
     set_threads(threads)
-    tgt = Target.load(target, dtype=dtype)
+    tgt = Target.load(target, dtype=dtype, device=device)
     rec = {"temperature": 0.7, "top_p": 0.9, **recommended_sampling(tgt)}
     cfg = RegenConfig(
         temperature=rec["temperature"] if temperature is None else temperature,
@@ -87,7 +88,7 @@ def data_regenerate(
     print(f"prompts: {json.dumps(stats.as_dict())}", file=sys.stderr)
     provenance = {"command": shlex.join(["selfdraft", *sys.argv[1:]]), "sources": list(sources),
                   "limit": limit, "val_fraction": val_fraction, "prompt_stats": stats.as_dict(),
-                  "dtype": dtype, "threads": threads}
+                  "dtype": dtype, "threads": threads, "device": str(tgt.device)}
     summary = regenerate(tgt, chosen, out, cfg, provenance=provenance)
     print(f"wrote {summary.written} conversations ({summary.skipped_done} already done), "
           f"{summary.generated_tokens} tokens in {summary.wall_s:.0f}s = {summary.tokens_per_s:.1f} tok/s, "
@@ -106,12 +107,13 @@ def data_original(
     max_seq_len: int = typer.Option(512, "--max-seq-len", help="truncate each conversation to N tokens"),
     val_fraction: float = typer.Option(0.02, "--val-fraction"),
     target: Optional[str] = TargetOpt,
+    device: str = DeviceOpt,
 ) -> None:
     """Original ShareGPT answers as contexts (no generation); `data features` then adds the target's labels."""
     from selfdraft.target import Target
     from selfdraft.training.original import import_original
 
-    tgt = Target.load(target)
+    tgt = Target.load(target, device=device)
     s = import_original(tgt, out, limit, source, max_seq_len, val_fraction)
     print(f"{s.written} conversations written ({s.skipped_existing} already there, {s.too_long_prompt} prompts too long, "
           f"{s.duplicates} duplicates, {s.malformed} malformed) in {s.wall_s:.0f}s -> {out}\n"
@@ -129,6 +131,7 @@ def data_features(
     batch_size: int = typer.Option(4, "--batch-size", "-b", help="sequences per target forward"),
     threads: int = ThreadsOpt,
     dtype: str = ComputeDtypeOpt,
+    device: str = DeviceOpt,
     yes: bool = typer.Option(False, "--yes", "-y", help="do not ask before writing"),
 ) -> None:
     """Cache the target's feature-layer and final hidden states per token (bf16 safetensors)."""
@@ -136,7 +139,7 @@ def data_features(
     from selfdraft.training.features import FeatureSpec, estimate_bytes, write_feature_cache
 
     set_threads(threads)
-    tgt = Target.load(target, dtype=dtype)
+    tgt = Target.load(target, dtype=dtype, device=device)
     layers = tuple(int(x) for x in feature_layers.split(",")) if feature_layers else tgt.default_feature_layers()
     spec = FeatureSpec(feature_layers=layers, max_seq_len=max_seq_len, shard_tokens=shard_tokens, batch_size=batch_size)
     size = estimate_bytes(data, tgt, spec, split)

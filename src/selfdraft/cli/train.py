@@ -20,7 +20,7 @@ from typing import Optional
 import typer
 
 from selfdraft import methods
-from selfdraft.cli.common import ComputeDtypeOpt, TargetOpt, ThreadsOpt, command, int_list, set_threads, warn
+from selfdraft.cli.common import ComputeDtypeOpt, DeviceOpt, TargetOpt, ThreadsOpt, command, int_list, set_threads, warn
 from selfdraft.config import ConfigError, DrafterConfig, TrainConfig, from_dict
 
 # field -> (option declarations or None for `--field-name`, help). Fields without an entry get both by default.
@@ -121,15 +121,16 @@ def train_configs(config: str | None, drafter_opts: dict, train_opts: dict) -> t
 
 def train_cmd(
     out: Path, target: Optional[str], config: Optional[str], resume: bool, final_only: bool, threads: int, dtype: str,
-    **fields,
+    device: str, **fields,
 ) -> None:
     """Train a self-drafter on the target's own answers; the checkpoint loads with `--drafter OUT`."""
-    from selfdraft.target import Target
+    from selfdraft.target import Target, resolve_device
     from selfdraft.training.records import iter_records
-    from selfdraft.training.trainer import STATE_FILE, strategy_for
+    from selfdraft.training.trainer import STATE_FILE, bind_local_gpu, strategy_for
     from selfdraft.training.trainer import train as run_training
 
     set_threads(threads)
+    device = resolve_device(device)  # a GPU asked for on a machine without one fails here, in one line
     if fields["feature_layers"] is not None:
         fields["feature_layers"] = int_list(fields["feature_layers"], "--feature-layers")
     dcfg, tcfg = train_configs(config, {f.name: fields[f.name] for f, _ in drafter_fields()},
@@ -139,7 +140,9 @@ def train_cmd(
     if rank0 and not any(True for _ in iter_records(tcfg.data, "val")):
         warn(f"{tcfg.data} has no validation conversations (split val): training runs without a val loss; "
              "regenerate with a larger --limit or --val-fraction to have one")
-    tgt = Target.load(target, dtype=dtype)
+    if device == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        bind_local_gpu()  # torchrun: each rank's target (and drafter) on its own GPU, cuda:LOCAL_RANK
+    tgt = Target.load(target, dtype=dtype, device=device)
     res = run_training(tgt, dcfg, tcfg, out, resume=resume)
     if not rank0:
         return  # torchrun: rank 0 reports (train() returns once every rank is done and the checkpoint written)
@@ -170,6 +173,7 @@ def _train_signature() -> inspect.Signature:
             "keeps only the drafter; the run can no longer be resumed or extended")),
         P("threads", P.KEYWORD_ONLY, annotation=int, default=ThreadsOpt),
         P("dtype", P.KEYWORD_ONLY, annotation=str, default=ComputeDtypeOpt),
+        P("device", P.KEYWORD_ONLY, annotation=str, default=DeviceOpt),
     ]
     params = (own + config_options([f for f, _ in drafter_fields()], drafter_table())
               + config_options(list(dataclasses.fields(TrainConfig)), TRAIN_OPTIONS) + rest)

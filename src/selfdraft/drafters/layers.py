@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from selfdraft.native.ops import attention
+
 
 @dataclass(frozen=True)
 class LayerShape:
@@ -120,9 +122,7 @@ class InjectedAttention(nn.Module):
         """x: [B, Q, H] block, positions: [B, Q], ctx: K/V [B, n_kv, Tc, d], mask: [B, Q, Tc+Q] bool."""
         q = rotary(self._qk_norm(self._heads(self.q_proj(x), self.s.heads), "q_norm"), positions)  # [B, n_h, Q, d]
         kv = ctx.append(self.kv(x, positions, rotary))  # [B, n_kv, Tc+Q, d]
-        out = F.scaled_dot_product_attention(
-            q, kv.k.to(q.dtype), kv.v.to(q.dtype), attn_mask=mask[:, None], enable_gqa=True
-        )  # [B, n_h, Q, d]
+        out = attention(q, kv.k.to(q.dtype), kv.v.to(q.dtype), mask[:, None])  # [B, n_h, Q, d] (GQA, masked)
         return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
 
 

@@ -9,7 +9,36 @@ quarter of its attention on empty slots (doubling wasted up to half: 2,048 slots
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+
+
+class CachePool:
+    """The KV buffers of the cache that allocated last, lent to the next new cache once that one is
+    garbage (a request's cache dies with its request). With --compile on CUDA the graphs replay at
+    the addresses they recorded (the cache tensors are static inputs): a fresh allocation per request
+    would record every graph again. Stale slots need no clearing: slots at or past a row's length are
+    never attended to (and hold finite values, so their zero attention weight keeps them out exactly)."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self._owner: weakref.ref | None = None
+
+    def lend(self, cache: "NativeCache", batch: int, needed: int) -> bool:
+        """Give `cache` the pool's buffers if their last owner is gone and they fit (batch rows, >= needed slots)."""
+        if not self.keys or (self._owner is not None and self._owner() is not None):
+            return False
+        if self.keys[0].shape[0] != batch or self.keys[0].shape[2] < needed:
+            return False
+        cache.keys, cache.values = list(self.keys), list(self.values)
+        self._owner = weakref.ref(cache)
+        return True
+
+    def keep(self, cache: "NativeCache") -> None:
+        """`cache` allocated new buffers: they are the ones the next cache may reuse."""
+        self.keys, self.values, self._owner = list(cache.keys), list(cache.values), weakref.ref(cache)
 
 
 class NativeCache:
@@ -20,10 +49,12 @@ class NativeCache:
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_context: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu", min_capacity: int = 256) -> None:
+                 dtype: torch.dtype, device: torch.device | str = "cpu", min_capacity: int = 256,
+                 pool: CachePool | None = None) -> None:
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.max_context, self.dtype, self.device = max_context, dtype, torch.device(device)
         self.min_capacity = min_capacity
+        self.pool = pool
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.lengths: list[int] = []  # [B] plain ints: read by Python every step, never an inference tensor
@@ -50,6 +81,8 @@ class NativeCache:
             return
         if needed > self.max_context:
             raise ValueError(f"{needed} cached positions exceed the target's context of {self.max_context}")
+        if not self.keys and self.pool is not None and self.pool.lend(self, batch, needed):
+            return
         cap = max(self.min_capacity, self.capacity)
         while cap < needed:
             cap += max(self.min_capacity, cap // 4)
@@ -65,6 +98,8 @@ class NativeCache:
                     store[layer] = new
                 else:
                     store.append(new)
+        if self.pool is not None:
+            self.pool.keep(self)
 
     def rollback(self, length: int) -> None:
         """Drop cached positions >= length in every row (O(1): only the lengths change)."""

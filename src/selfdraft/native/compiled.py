@@ -29,7 +29,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from selfdraft.native.ops import rms_norm, split_heads
+from selfdraft.native.ops import attention, rms_norm, split_heads
 from selfdraft.native.quant import DenseLinear, Fp16Linear
 
 MODES = ("default", "max-autotune", "reduce-overhead")
@@ -99,8 +99,7 @@ class _Stack(torch.nn.Module):
             values[i][rows, :, slots] = v
             q = q.transpose(1, 2)  # [B, nh, T, d]
             m = mask if self.windows[i] is None else near
-            a = F.scaled_dot_product_attention(q, keys[i], values[i], attn_mask=m, scale=self.scale,
-                                               enable_gqa=nkv != nh)
+            a = attention(q, keys[i], values[i], m, self.scale)
             x = x + self._lin(a.transpose(1, 2).reshape(B, T, nh * d), i, "o")
             h = rms_norm(x, getattr(self, f"l{i}_post_norm"), self.eps)
             g, u = self._lin(h, i, "gate_up").chunk(2, dim=-1)
@@ -135,6 +134,9 @@ class CompiledStep:
             raise ValueError(reason)
         self.max_tokens = max_tokens
         self.mode = mode
+        # CUDA graphs: outputs live in the graphs' memory pool and the next replay overwrites them
+        # (NativeModel clones them), and the cache must keep its addresses (NativeModel.pool).
+        self.graphs = mode == "reduce-overhead" and model.device.type == "cuda"
         self.stack = _Stack(model)
         self.fn = torch.compile(self.stack, mode=None if mode == "default" else mode)
         self.seen: set[tuple] = set()  # (B, T) compiled
@@ -149,6 +151,8 @@ class CompiledStep:
         torch._dynamo.mark_dynamic(mask, 3)
         if near is not None:
             torch._dynamo.mark_dynamic(near, 3)
+        if self.graphs:  # the previous step's outputs were cloned: its graph memory may be reused
+            torch.compiler.cudagraph_mark_step_begin()
         t0 = time.perf_counter()
         # freezing: read by dynamo while tracing (it then guards on the weights' identity) and by
         # inductor, so it is set around the call that compiles, not passed as a compile option

@@ -112,7 +112,7 @@ def _read_exact(path: Path, state: dict[str, torch.Tensor], num_heads: int, num_
             continue
         cols, rows = (int(x) for x in t.shape)
         w = decode_q4_blocks(np.asarray(t.data), kind, rows, cols)
-        ref = state[name].float()
+        ref = state[name].float().cpu()  # the blocks are decoded on the host, the model may be on a GPU
         candidates = [None]
         if parts[2] in ("attn_q", "attn_k"):
             candidates.append(_llama_permute_rows(rows, num_heads if parts[2] == "attn_q" else num_kv_heads))

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from selfdraft.native.cache import NativeCache
-from selfdraft.native.ops import rms_norm, rope_tables, split_heads
+from selfdraft.native.cache import CachePool, NativeCache
+from selfdraft.native.ops import attention, rms_norm, rope_tables, split_heads
 from selfdraft.native.quant import (
     INT4_GROUP,
     DenseLinear,
@@ -74,7 +74,7 @@ class NativeModel:
     """The decoder stack + final norm + LM head; embeddings come from the HF model (shared)."""
 
     def __init__(self, hf_model, weights: str = "fp32", gguf: str | Path | None = None, int4_group: int = INT4_GROUP,
-                 gguf_cache: Path | None = None, compile: int = 0) -> None:
+                 gguf_cache: Path | None = None, compile: int = 0, share_weights: bool | None = None) -> None:
         reason = unsupported_reason(hf_model)
         if reason:
             raise ValueError(f"the native backend does not support {reason}")
@@ -103,6 +103,12 @@ class NativeModel:
         self.rope_scaling = float(rotary.attention_scaling)
         self.embed_tokens = hf_model.model.embed_tokens
         self.notes: list[str] = []
+        # Dense weights share the HF model's storage (the HF parameters become row slices of the fused
+        # projections), so the model is held once, not twice. On the CPU the native stack keeps its own
+        # transposed copy instead: a row-major [K, N] right operand is 1.1-1.9x faster there (DenseLinear);
+        # cuBLAS reads either layout at full speed. share_weights overrides the choice (tests).
+        self.share = self.device.type == "cuda" if share_weights is None else share_weights
+        self._hf = hf_model
 
         state = {k: v.detach() for k, v in hf_model.state_dict().items()}
         exact = {}
@@ -121,11 +127,15 @@ class NativeModel:
         self.lm_head = self._linear([head], None, head_fmt, None, int4_group)
         if self._fallbacks:
             self.notes.append(f"{self._fallbacks} weights stay dense (their shapes do not fit the int4 kernel)")
+        del self._hf  # needed while building only (share_weights)
         self.compiled = None
+        self.pool: CachePool | None = None  # KV buffers handed from one request's cache to the next
         if compile:  # torch.compile'd steps of 1..compile new tokens (native/compiled.py)
             from selfdraft.native.compiled import CompiledStep
 
             self.compiled = CompiledStep(self, compile)
+            if self.compiled.graphs:  # graphs replay at the cache addresses they recorded (native/cache.py)
+                self.pool = CachePool()
             self.compiled.warm_up(self)
 
     # ---------------------------------------------------------------- building
@@ -148,7 +158,7 @@ class NativeModel:
             else:
                 q = Int4Weights.quantize(w, group)
             return Int4Linear(q, b, self.dtype, self.device)
-        return DenseLinear(w.to({"fp32": torch.float32, "bf16": torch.bfloat16}[fmt]).contiguous(), b)
+        return DenseLinear(w.to({"fp32": torch.float32, "bf16": torch.bfloat16}[fmt]).contiguous(), b, copy=not self.share)
 
     @property
     def dtype_name(self) -> str:
@@ -166,7 +176,7 @@ class NativeModel:
         layer_types = getattr(cfg, "layer_types", None)
         if layer_types is not None:  # Qwen2/Qwen3: per-layer sliding attention
             window = window if layer_types[i] == "sliding_attention" else None
-        return _Layer(
+        layer = _Layer(
             input_norm=get("input_layernorm.weight"),
             qkv=self._linear([get(n + ".weight") for n in qkv_names], [get(n + ".bias") for n in qkv_names], fmt, ex(qkv_names), group),
             q_norm=get("self_attn.q_norm.weight"),
@@ -177,9 +187,29 @@ class NativeModel:
             down=self._linear([get("mlp.down_proj.weight")], [get("mlp.down_proj.bias")], fmt, ex(["mlp.down_proj"]), group),
             window=window,
         )
+        if self.share:  # layer by layer, so the model is never held twice while the stack is built
+            for lin, names in ((layer.qkv, qkv_names), (layer.o, ["self_attn.o_proj"]), (layer.gate_up, gu_names),
+                               (layer.down, ["mlp.down_proj"])):
+                self._share(lin, [p + n + ".weight" for n in names], state)
+        return layer
+
+    def _share(self, lin: Linear, names: list[str], state: dict) -> None:
+        """Point the HF weights `names` (stacked as lin's output rows) at row slices of lin's dense
+        weight: one copy of the model, read by both backends."""
+        if not isinstance(lin, DenseLinear):
+            return
+        fused, row = lin.weight_t.t(), 0  # [N, K] contiguous (DenseLinear keeps the transposed view)
+        for name in names:
+            param = self._hf.get_parameter(name)
+            n = param.shape[0]
+            if param.dtype == fused.dtype:
+                param.data = fused[row : row + n]
+                state.pop(name, None)  # the old storage is free once nothing else holds it
+            row += n
 
     def new_cache(self) -> NativeCache:
-        return NativeCache(len(self.layers), self.n_kv, self.head_dim, self.max_context, self.dtype, self.device)
+        return NativeCache(len(self.layers), self.n_kv, self.head_dim, self.max_context, self.dtype, self.device,
+                           pool=self.pool)
 
     def weight_bytes(self) -> int:
         """Bytes of weights one forward streams (all linears; embeddings are a lookup)."""
@@ -203,6 +233,8 @@ class NativeModel:
         dev = self.device
         input_ids = input_ids.to(dev)
         native = isinstance(cache, NativeCache)
+        # past: host bookkeeping (the cache's lengths are Python ints); tensors built from it below
+        # are made on the device, so a step copies [B, T] positions to it, not [B, T, Lk] masks.
         if native:
             cache.reserve(B, cache.get_seq_length() + T)
             past = torch.tensor(cache.lengths)  # [B] slot of each row's first new token
@@ -218,7 +250,7 @@ class NativeModel:
 
         cos, sin = self._rope(position_ids)  # [B, T, 1, d]
         if native and not uniform:  # ragged rows: scatter each row's block at its own length
-            slots = (past[:, None] + torch.arange(T)).to(dev)  # [B, T]
+            slots = self._slots(past, T)  # [B, T]
             rows = torch.arange(B, device=dev)[:, None]
 
         x = self.embed_tokens(input_ids)  # [B, T, H]
@@ -242,7 +274,7 @@ class NativeModel:
             else:
                 K, V = k, v
             m = mask if L.window is None else self._window(mask, past, T, Lk, L.window, attention_mask)
-            a = F.scaled_dot_product_attention(q, K, V, attn_mask=m, scale=self.scale, enable_gqa=nkv != nh)
+            a = attention(q, K, V, m, self.scale)
             x = x + L.o(a.transpose(1, 2).reshape(B, T, nh * d))
             h = rms_norm(x, L.post_norm, self.eps)
             g, u = L.gate_up(h).chunk(2, dim=-1)
@@ -263,28 +295,36 @@ class NativeModel:
         length (stale keys of rolled-back drafts, other rows' longer blocks)."""
         B, T = input_ids.shape
         S, dev = cache.capacity, self.device
-        j = torch.arange(S)
-        qpos = past[:, None] + torch.arange(T)  # [B, T] slot of each new token
+        j = torch.arange(S, device=dev)
+        qpos = self._slots(past, T)  # [B, T] slot of each new token
         visible = j[None, None, :] <= qpos[:, :, None]  # [B, T, S]
         if given is not None and given.dim() == 4:  # a tree's ancestry over [0, Lk), used as is
+            given = given.to(dev)
             g = given.bool() if given.dtype == torch.bool else given == 0
-            visible = torch.zeros(B, T, S, dtype=torch.bool)
-            visible[:, :, :Lk] = g[:, 0].cpu()
+            visible = torch.zeros(B, T, S, dtype=torch.bool, device=dev)
+            visible[:, :, :Lk] = g[:, 0]
         elif given is not None:  # 2D padding mask [B, past + T]
-            visible[:, :, :Lk] &= given.bool().cpu()[:, None, :Lk]
+            visible[:, :, :Lk] &= given.to(dev).bool()[:, None, :Lk]
         near = None
         windows = {L.window for L in self.layers if L.window is not None}
         if windows:
             (w,) = windows  # one sliding-window size per model (Mistral, Qwen2/3)
-            near = (visible & (j[None, None, :] > qpos[:, :, None] - w))[:, None].to(dev)
+            near = (visible & (j[None, None, :] > qpos[:, :, None] - w))[:, None]
             if given is not None and given.dim() == 4:
-                near = visible[:, None].to(dev)  # a caller's 4D mask is used as is (as HF does)
+                near = visible[:, None]  # a caller's 4D mask is used as is (as HF does)
         cos, sin = self._rope(position_ids)  # [B, T, 1, d]
         x = self.embed_tokens(input_ids)  # [B, T, H]
-        last, feats = self.compiled(x, cos, sin, visible[:, None].to(dev), near, torch.arange(B, device=dev)[:, None],
-                                    qpos.to(dev), cache.keys, cache.values)
+        last, feats = self.compiled(x, cos, sin, visible[:, None], near, torch.arange(B, device=dev)[:, None],
+                                    qpos, cache.keys, cache.values)
+        feats = [feats[i] for i in feature_layers]
+        if self.compiled.graphs:  # CUDA graphs return buffers of the graph's pool, which the next step overwrites
+            last, feats = last.clone(), [f.clone() for f in feats]
         cache.lengths = [n + T for n in cache.lengths]
-        return NativeStep(last_hidden=last, features=[feats[i] for i in feature_layers])
+        return NativeStep(last_hidden=last, features=feats)
+
+    def _slots(self, past: torch.Tensor, T: int) -> torch.Tensor:
+        """[B] host lengths -> [B, T] slots (= positions) of the new tokens, on the device."""
+        return past.to(self.device)[:, None] + torch.arange(T, device=self.device)
 
     def _mask(self, past: torch.Tensor, T: int, Lk: int, uniform: bool, given: torch.Tensor | None) -> torch.Tensor | None:
         """[B, 1, T, Lk] (True = visible) or None when every cached key and the whole block are visible.
@@ -297,11 +337,11 @@ class NativeModel:
             return g if g.dtype == torch.bool else g.to(self.dtype)
         if given is None and uniform and T == 1:
             return None
-        j = torch.arange(Lk)
-        visible = j[None, None, :] <= (past[:, None] + torch.arange(T))[:, :, None]  # [B, T, Lk]
+        j = torch.arange(Lk, device=self.device)
+        visible = j[None, None, :] <= self._slots(past, T)[:, :, None]  # [B, T, Lk]
         if given is not None:
-            visible = visible & given.bool()[:, None, :Lk]
-        return visible[:, None].to(self.device)
+            visible = visible & given.to(self.device).bool()[:, None, :Lk]
+        return visible[:, None]
 
     def _window(self, mask: torch.Tensor | None, past: torch.Tensor, T: int, Lk: int, window: int,
                 given: torch.Tensor | None) -> torch.Tensor | None:
@@ -309,12 +349,11 @@ class NativeModel:
         a caller's 4D mask is used as is (as HF does)."""
         if given is not None and given.dim() == 4:
             return mask
-        qpos = past[:, None] + torch.arange(T)  # [B, T]
-        near = torch.arange(Lk)[None, None, :] > qpos[:, :, None] - window  # [B, T, Lk]
-        near = near[:, None].to(self.device)
-        if mask is None:
-            return None if bool(near.all()) else near
-        return mask & near
+        if mask is None and int(past.max()) + T - 1 < window:  # every key is within the window (on the host:
+            return None  # no device sync)
+        near = torch.arange(Lk, device=self.device)[None, None, :] > self._slots(past, T)[:, :, None] - window  # [B, T, Lk]
+        near = near[:, None]
+        return near if mask is None else mask & near
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., V] with the native LM head (in its weight format)."""

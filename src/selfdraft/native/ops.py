@@ -50,3 +50,21 @@ def split_heads(y: torch.Tensor, nh: int, nkv: int, q_norm: torch.Tensor | None,
         qk = y[:, :, : nh + nkv]
     qk = rotate_heads(qk, cos, signed_sin)  # q and k heads in one call
     return qk[:, :, :nh], qk[:, :, nh:], y[:, :, nh + nkv :]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None,
+              expand_kv: bool | None = None) -> torch.Tensor:
+    """SDPA over q [B, nh, T, d] and k, v [B, nkv, S, d] (nkv divides nh), mask None or [B or 1, 1, T, S].
+
+    On CUDA a masked GQA call would take the math kernel (the flash kernel takes no mask, the
+    memory-efficient one no enable_gqa), which writes the whole [B, nh, T, S] score tensor: there the
+    kv heads are repeated first, so the memory-efficient kernel runs. Elsewhere SDPA groups the heads
+    itself (CPU: its own flash kernel, mask or not). expand_kv overrides the choice (tests)."""
+    gqa = k.shape[1] != q.shape[1]
+    if expand_kv is None:
+        expand_kv = gqa and mask is not None and q.device.type == "cuda"
+    if gqa and expand_kv:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        gqa = False
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)

@@ -52,10 +52,11 @@ class Linear:
 class DenseLinear(Linear):
     """Holds W^T [K, N] contiguous: for the few-row products of decode and verify (M = 1..16), a
     row-major right operand runs 1.1-1.9x faster on CPU than F.linear's [N, K] (which the BLAS
-    repacks on every call; scripts/bench_engine.py, docs/engine.md)."""
+    repacks on every call; scripts/bench_engine.py, docs/engine.md). copy=False keeps W^T as a view
+    of `weight` (CUDA: cuBLAS reads the transposed layout as fast, and the weight is not held twice)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.weight_t, self.bias = weight.t().contiguous(), bias  # [K, N], [N]
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, copy: bool = True) -> None:
+        self.weight_t, self.bias = (weight.t().contiguous() if copy else weight.t()), bias  # [K, N], [N]
         self.out_features, self.in_features = weight.shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

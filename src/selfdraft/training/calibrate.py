@@ -170,8 +170,8 @@ def collect_rounds(
             else:
                 pick = lambda k, logits: int(sample(probs_from_logits(logits, params), gen))  # noqa: E731
             block = model.decode_block(h, lm_logits(target, h), tokens[-1], pick)
-            prev = torch.cat([torch.tensor([tokens[-1]]), block.tokens[:-1]])  # x_{k-1}, x_0 = the anchor
-            zs.append(model.heads(h[None], prev[None]).z[0].float())
+            prev = torch.cat([torch.tensor([tokens[-1]], device=block.tokens.device), block.tokens[:-1]])  # x_{k-1}, x_0 = the anchor
+            zs.append(model.heads(h[None], prev[None]).z[0].float().cpu())  # the fit runs on the host
             q = None if params.greedy else probs_from_logits(block.logits, params)
             # 2. One decoding round with that block (full-block verification, no scheduler):
             #    target forward over [anchor, x_1..x_γ], verify, commit, observe, roll back.
@@ -180,9 +180,9 @@ def collect_rounds(
             p = probs_from_logits(out.logits[:gamma], params)  # [γ, V]
             p_x = p.gather(1, block.tokens[:, None]).squeeze(1)
             if params.greedy:
-                accs.append(p_x > 0.5)
-            else:
-                ratio = (p_x / q.gather(1, block.tokens[:, None]).squeeze(1)).clamp(max=1.0)
+                accs.append((p_x > 0.5).cpu())
+            else:  # the coin comes from the CPU generator: the ratio goes to the host first
+                ratio = (p_x / q.gather(1, block.tokens[:, None]).squeeze(1)).clamp(max=1.0).cpu()
                 accs.append(torch.rand(gamma, generator=gen) < ratio)
     if not zs:
         raise CheckpointError("no calibration rounds: give more prompts or a larger max_new_tokens")

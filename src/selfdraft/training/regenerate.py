@@ -102,7 +102,8 @@ def sample_batch(
     next_pos = mask.sum(-1)  # [B'] position of the token sampled next
     eos = torch.tensor(sorted(target.eos_ids), dtype=torch.long)
     for _ in range(max_new_tokens):
-        tok = sample_logits(step.logits[:, -1], params, generator)  # [B']
+        # [B'] on the host (one copy per token): the bookkeeping below (alive rows, masks, EOS) is host-side
+        tok = sample_logits(step.logits[:, -1], params, generator).cpu()
         for row, t in zip(alive.tolist(), tok.tolist()):
             out[row].append(t)
         keep = ~torch.isin(tok, eos)  # [B']

@@ -168,7 +168,7 @@ def make_batch(seqs: list[Sequence], target: Target, feature_layers: tuple[int, 
         ids[b, :n] = torch.tensor(s.input_ids)
         loss_mask[b, :n] = torch.tensor(s.loss_mask, dtype=torch.bool)
         attn[b, :n] = True
-    ids, loss_mask, attn = ids.to(device), loss_mask.to(device), attn.to(device)
+    ids, loss_mask, attn = to_device(ids, device), to_device(loss_mask, device), to_device(attn, device)
     if all(s.cached is not None for s in seqs):
         feats = torch.zeros(len(seqs), T, len(feature_layers), target.hidden_size)  # [B, T, n_feat, H]
         last = torch.zeros(len(seqs), T, target.hidden_size)  # [B, T, H]
@@ -188,10 +188,20 @@ def make_batch(seqs: list[Sequence], target: Target, feature_layers: tuple[int, 
         input_ids=ids,
         loss_mask=loss_mask & attn,
         attention_mask=attn,
-        features=feats.to(device),  # [B, T, n_feat, H]
-        last_hidden=last.to(device),  # [B, T, H]
-        lse=None if lse is None else lse.to(device),  # [B, T]
+        features=to_device(feats, device),  # [B, T, n_feat, H]
+        last_hidden=to_device(last, device),  # [B, T, H]
+        lse=None if lse is None else to_device(lse, device),  # [B, T]
     )
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host batch tensor on `device`: to a GPU through pinned memory, asynchronously (the copy
+    overlaps the work already queued; the source is never written again); unchanged when it is there."""
+    if t.device == device:
+        return t
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 # ------------------------------------------------------------------ schedule
@@ -402,7 +412,7 @@ def _start_or_resume(
             _warm_start(model, cfg, target, train_cfg.init_from)
         return RunState(model, _optimizer(model, train_cfg), gen, DataCursor())
     state = _check_resumable(out_dir, target, cfg, train_cfg, n_train)
-    model = load_module(out_dir, target, dtype=torch.float32).model.train()
+    model = load_module(out_dir, target, dtype=torch.float32).model.to(target.model.device).train()  # with the target, as a fresh run's
     opt = _optimizer(model, train_cfg)
     gen.set_state(state["generator"])
     torch.set_rng_state(state["torch_rng"])
@@ -529,7 +539,8 @@ def _check_resumable(out_dir: Path, target: Target, cfg: DrafterConfig, train_cf
     if saved != cfg:
         diff = {k: (v, getattr(cfg, k)) for k, v in asdict(saved).items() if v != getattr(cfg, k)}
         raise ConfigError(f"{out_dir} was trained with another drafter config (saved, now): {diff}; use the same settings, or --no-resume")
-    state = torch.load(out_dir / STATE_FILE, weights_only=True)
+    # map_location: a GPU run's optimizer state loads anywhere (the optimizer moves it to its parameters' device)
+    state = torch.load(out_dir / STATE_FILE, weights_only=True, map_location="cpu")
     diff = {k: (state["train"][k], getattr(train_cfg, k)) for k in TRAJECTORY_KEYS if state["train"][k] != getattr(train_cfg, k)}
     if diff:
         raise ConfigError(f"resuming {out_dir} with other training settings (saved, now): {diff}; use the saved ones, or --no-resume")
@@ -559,6 +570,17 @@ def _read_log(path: Path, upto: int) -> tuple[list[StepLog], list[ValLog]]:
 
 
 # ------------------------------------------------------------------ data parallel (torchrun)
+def bind_local_gpu() -> int:
+    """Under torchrun on a GPU machine: make cuda:LOCAL_RANK this process's current device (before the
+    target is loaded, so `--device cuda` puts it there) -> LOCAL_RANK."""
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if local >= torch.cuda.device_count():
+        raise ConfigError(f"LOCAL_RANK {local} but this machine has {torch.cuda.device_count()} GPU(s): "
+                          "use --nproc_per_node <= its GPU count (one GPU per rank)")
+    torch.cuda.set_device(local)
+    return local
+
+
 class _LossModule(torch.nn.Module):
     """forward(batch, gen) = strategy.loss(model, ...): the one call DDP / FSDP hook into.
 
@@ -615,11 +637,17 @@ class Distributed:
         rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
         cuda = target.model.device.type == "cuda"
         if cuda:  # one GPU per rank: the target (and with it the drafter) lives on cuda:LOCAL_RANK
-            torch.cuda.set_device(local)
-            target.model.to(f"cuda:{local}")
+            gpu = torch.device("cuda", bind_local_gpu())
+            if target.model.device != gpu:
+                if target.native is not None:  # its own copies of the weights stay where they were built
+                    raise ConfigError(f"rank {rank}: the target is on {target.model.device}, this rank's GPU is {gpu}; "
+                                      "load it after torch.cuda.set_device(LOCAL_RANK) (selfdraft train does)")
+                target.model.to(gpu)
         owns = not td.is_initialized()
-        if owns:
-            td.init_process_group("nccl" if cuda else "gloo")
+        if owns and cuda:  # NCCL bound to this rank's GPU up front (its communicators are created for it)
+            td.init_process_group("nccl", device_id=torch.device("cuda", local))
+        elif owns:
+            td.init_process_group("gloo")
         return cls(rank, world, local, train_cfg.fsdp, owns, cuda)
 
     def close(self) -> None:
@@ -645,9 +673,12 @@ class Distributed:
         if self.world == 1:
             return module
         if self.fsdp:
+            from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
-            fully_shard(module)  # one unit: parameters, gradients and optimizer state sharded over the ranks
+            # fully_shard's default mesh is on the accelerator whatever the batches: name the device the drafter is on
+            mesh = init_device_mesh("cuda" if self.cuda else "cpu", (self.world,))
+            fully_shard(module, mesh=mesh)  # one unit: parameters, gradients and optimizer state sharded over the ranks
             return module
         from torch.nn.parallel import DistributedDataParallel as DDP
 

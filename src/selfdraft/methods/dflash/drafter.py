@@ -49,11 +49,12 @@ class DFlashDrafter(TrainedDrafter):
         draft round's cost. Lossless: q is exactly the distribution the drafts are drawn from (zero
         outside ids); only the target's mass outside ids can no longer be drafted."""
         V = self.target.vocab_size
-        ids = torch.as_tensor(ids, dtype=torch.long).unique()  # sorted
+        ids = torch.as_tensor(ids, dtype=torch.long).cpu().unique()  # sorted; checked on the host
         if ids.numel() == 0 or int(ids[0]) < 0 or int(ids[-1]) >= V:
             raise ConfigError(f"a draft vocabulary needs target ids in [0, {V}), got {ids.numel()} ids")
-        self.vocab = ids
-        self.head = draft_vocab_head(self.target, self.target.model.get_output_embeddings().weight[ids].detach())
+        head = self.target.model.get_output_embeddings().weight
+        self.vocab = ids.to(head.device)  # indexes the drafts and q on the model's device (a file's ids load on the CPU)
+        self.head = draft_vocab_head(self.target, head[self.vocab].detach())
 
     @torch.inference_mode()
     def _append(self, features: torch.Tensor) -> None:
@@ -116,7 +117,10 @@ class DFlashDrafter(TrainedDrafter):
         """DSpark: c_k reads h_k and x_{k-1} only, so drafting stops at the scheduler's first refusal
         and pays the LM-head row and the Markov step only for drafts that will be verified (a round
         whose c_1 is refused, most rounds on a CPU, costs the backbone pass alone)."""
-        if admission is None or not self.gives_confidences:
+        if admission is None or not self.gives_confidences or self.target.model.device.type != "cpu":
+            # Off the CPU the whole block is drafted and cut at the first refusal (Drafter.propose_until):
+            # asking before each draft would wait for the GPU γ times a round, and the drafts past the
+            # cut cost little there. The admitted drafts are the same (c_k reads h_k and x_{k-1} only).
             return super().propose_until(tokens, gamma, params, generator, admission)
         return DFlashDrafter.propose_many([self], [tokens], [gamma], [params], [generator], admit=admission.admit)[0]
 

@@ -133,7 +133,7 @@ class DFlashModel(nn.Module):
 
     def decode_block(self, h: torch.Tensor, U: torch.Tensor, x0: int, pick: Pick) -> DraftBlock:
         """One block (h: [γ, H], U: [γ, V]): `decode_blocks` with R = 1."""
-        many = lambda k, logits: torch.tensor([pick(k, logits[0])])  # noqa: E731
+        many = lambda k, logits: torch.tensor([pick(k, logits[0])], device=logits.device)  # noqa: E731  (x_k feeds the next step)
         b = self.decode_blocks(h[None], U[None], torch.tensor([x0], device=h.device), many)
         return DraftBlock(b.tokens[0], b.logits[0], None if b.confidences is None else b.confidences[0])
 

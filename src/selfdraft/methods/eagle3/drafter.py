@@ -55,8 +55,10 @@ class Eagle3Drafter(TrainedDrafter):
     def observe(self, verification, step: TargetStep) -> None:
         self.pending = torch.cat([self.pending, self.model.fuse(step.features[0])])  # + old anchor, accepted
 
-    def _emb(self, tokens: list[int]) -> torch.Tensor:
-        return self.target.embed(torch.tensor([tokens], device=self.target.model.device))  # [1, Q, H]
+    def _emb(self, tokens: list[int] | torch.Tensor) -> torch.Tensor:
+        """Token ids (a list, or a tensor already on the device: a draft) -> [1, Q, H]."""
+        ids = tokens.view(1, -1) if isinstance(tokens, torch.Tensor) else torch.tensor([tokens], device=self.target.model.device)
+        return self.target.embed(ids)  # [1, Q, H]
 
     def _flush(self, tokens: list[int]) -> torch.Tensor:
         """Cache the pending slots t (their next token x_{t+1} is known now) -> h [H] of the last slot,
@@ -64,7 +66,7 @@ class Eagle3Drafter(TrainedDrafter):
         n = self.pending.shape[0]
         t0 = self.ctx_len
         pos = torch.arange(t0, t0 + n, device=self.pending.device)[None]
-        causal = torch.ones(n, t0 + n, dtype=torch.bool).tril(t0)[None]
+        causal = torch.ones(n, t0 + n, dtype=torch.bool, device=self.pending.device).tril(t0)[None]
         h, kv = self.model.step(self._emb(tokens[t0 + 1 : t0 + n + 1]), self.pending[None], pos, self.ctx, causal)
         self.ctx, self.ctx_len, self.pending = self.ctx.append(kv), t0 + n, self.pending[:0]
         return h[0, -1]
@@ -82,22 +84,25 @@ class Eagle3Drafter(TrainedDrafter):
             return Proposal.empty()
         if self.cfg.tree_depth:
             return self.build_tree(h, tokens[-1], min(gamma, self.cfg.tree_depth))
-        # 2. Chain: γ head steps, each fed the previous output and the previous draft.
+        # 2. Chain: γ head steps, each fed the previous output and the previous draft. A draft stays
+        #    on the device (a 0-dim tensor) unless penalties need it on the host: greedy drafting does
+        #    not wait for the GPU until the proposal is copied out.
         drafts, qs, kv = [], [], self.ctx
         seen = self.generated(tokens)
         for k in range(gamma):
             logits = self._to_target(self.model.draft_logits(h))  # [V]
-            logits = process_logits(logits[None], params, [seen + drafts])[0]  # penalties, logit_bias (if any)
+            if params.has_processors:  # penalties, logit_bias
+                logits = process_logits(logits[None], params, [seen + [int(x) for x in drafts]])[0]
             q = probs_from_logits(logits, params)
-            x = int(q.argmax()) if params.greedy else int(sample(q, generator))
+            x = q.argmax() if params.greedy else sample(q, generator)  # [] on q's device
             drafts.append(x), qs.append(q)
             if k + 1 < gamma:
                 pos = torch.tensor([[self.ctx_len + k]], device=h.device)
-                see_all = torch.ones(1, 1, kv.k.shape[2] + 1, dtype=torch.bool)
-                out, new = self.model.step(self._emb([x]), h[None, None], pos, kv, see_all)
+                see_all = torch.ones(1, 1, kv.k.shape[2] + 1, dtype=torch.bool, device=h.device)
+                out, new = self.model.step(self._emb(x), h[None, None], pos, kv, see_all)
                 h, kv = out[0, -1], kv.append(new)
         q = None if params.greedy else torch.stack(qs)
-        return Proposal(torch.tensor(drafts, dtype=torch.long), q)
+        return Proposal(torch.stack(drafts).long(), q)
 
     def build_tree(self, h: torch.Tensor, anchor: int, depth: int) -> Proposal:
         """EAGLE-2 dynamic tree: expand the top-k children of each frontier node, score nodes by the
@@ -127,10 +132,8 @@ class Eagle3Drafter(TrainedDrafter):
             F_ = frontier
             g = torch.stack([outs.get(nodes[f].parent, h) for f in F_])[None]  # [1, |F|, H]
             pos = torch.full((1, len(F_)), self.ctx_len + d - 1, device=h.device)
-            anc = torch.tensor([[e in nodes[f].ancestors for e in expanded] for f in F_], dtype=torch.bool)
-            anc = anc.reshape(len(F_), len(expanded))
-            mask = torch.cat([torch.ones(len(F_), kv.k.shape[2] - len(expanded), dtype=torch.bool), anc,
-                              torch.eye(len(F_), dtype=torch.bool)], dim=1)[None]  # fmt: skip
+            anc = [[e in nodes[f].ancestors for e in expanded] for f in F_]
+            mask = frontier_mask(anc, kv.k.shape[2] - len(expanded), len(expanded), h.device)
             out, new = self.model.step(self._emb([nodes[f].token for f in F_]), g, pos, kv, mask)
             kv, expanded = kv.append(new), expanded + F_
             # 2. Children of every frontier node; the global top-k by cumulative score is the next frontier.
@@ -146,3 +149,13 @@ class Eagle3Drafter(TrainedDrafter):
         new_index = {c: i for i, c in enumerate(keep)}
         parents = [new_index[nodes[c].parent] if nodes[c].parent >= 0 else -1 for c in keep]
         return Proposal(torch.tensor([nodes[c].token for c in keep], dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long))
+
+
+def frontier_mask(ancestors: list[list[bool]], cached: int, expanded: int, device: torch.device) -> torch.Tensor:
+    """[1, F, cached + expanded + F] bool for one tree step over F frontier nodes: every committed slot,
+    the expanded nodes on each node's own path (ancestors[f][e]), and the node itself. Built on the
+    device the head runs on (the attention mask must live with q, k and v)."""
+    n = len(ancestors)
+    anc = torch.tensor(ancestors, dtype=torch.bool, device=device).reshape(n, expanded)
+    return torch.cat([torch.ones(n, cached, dtype=torch.bool, device=device), anc,
+                      torch.eye(n, dtype=torch.bool, device=device)], dim=1)[None]
