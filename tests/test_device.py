@@ -63,8 +63,12 @@ class DeviceAudit(TorchDispatchMode):
             return out
         name = func._schema.name if func._schema.overload_name == "" else f"{func._schema.name}.{func._schema.overload_name}"
         tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-        devs = {t.device.type for t in tensors if not (t.device.type == "cpu" and t.dim() == 0)}
-        if len(devs) > 1 and name not in _CROSS and not (name in _INDEX and args[0].device == self.device):
+        checked = tensors
+        if name in _INDEX:  # CPU index tensors are fine; the indexed tensor and the values must be on the device
+            checked = [a for i, a in enumerate(args) if i != 1 and isinstance(a, torch.Tensor)]
+            checked += [t for t in tree_flatten(args[1])[0] if isinstance(t, torch.Tensor) and t.device == self.device]
+        devs = {t.device.type for t in checked if not (t.device.type == "cpu" and t.dim() == 0)}
+        if len(devs) > 1 and name not in _CROSS:
             self.mixed.append((name, sorted(devs), [tuple(t.shape) for t in tensors]))
         if not tensors:
             for o in tree_flatten(out)[0]:
@@ -126,11 +130,13 @@ def test_the_audit_sees_what_meta_lets_through():
         torch.nn.functional.embedding(torch.tensor([1]), x)
         torch.arange(5)[torch.zeros(2, dtype=torch.long, device=META)]
         x[torch.tensor([0, 1])]  # a CPU index into a device tensor: CUDA accepts it
+        x[:, 0] = torch.ones(3)  # a copy into a slice: CUDA accepts it
+        x[torch.tensor([0, 1])] = torch.ones(2, 4)  # CPU values for an index_put: CUDA refuses them
         assert x.sum(1).tolist() == [0.0, 0.0, 0.0] and int(x[0, 0]) == 0 and host.copies[-1] == ("__int__", ())
         with pytest.raises(TypeError):
             x.numpy()
         torch.multinomial(x.softmax(-1), 1, generator=torch.Generator())
-    assert [m[0] for m in audit.mixed] == ["aten::mm", "aten::embedding", "aten::index.Tensor", "multinomial"]
+    assert [m[0] for m in audit.mixed] == ["aten::mm", "aten::embedding", "aten::index.Tensor", "aten::index_put_", "multinomial"]
     assert ("aten::arange", "cpu", (5,)) in audit.created
 
 
@@ -354,6 +360,34 @@ def test_compiled_outputs_are_cloned_under_cuda_graphs(meta_model):
     assert native.forward(torch.tensor([[5]]), cache, (1,)).last_hidden is native.compiled.last
 
 
+def test_compiled_step_gets_its_inputs_on_the_device(meta_model):
+    """What the compiled step is called with (mask over the cache's capacity, sliding-window mask,
+    slots, rope tables) is built on the device, for a decode step, a 2D padding mask and a tree's 4D mask."""
+    from selfdraft.native import NativeModel
+    from selfdraft.tree import tree_inputs
+
+    native = NativeModel(meta_model)
+    native.layers[1].window = 4  # a sliding-window layer: the `near` mask too
+
+    class Step:
+        max_tokens, graphs = 8, True
+
+        def __call__(self, x, cos, sin, mask, near, rows, slots, keys, values):
+            self.devices = {t.device for t in (x, cos, sin, mask, near, rows, slots, *keys, *values)}
+            return torch.empty_like(x), [torch.empty_like(x) for _ in keys]
+
+    native.compiled = Step()
+    cache = native.new_cache()
+    parents = torch.tensor([-1, 0, 0])
+    tree = tree_inputs(parents, 6, torch.float32)
+    with on_meta() as (_, audit):
+        native.forward(torch.tensor([PROMPT[:6]]), cache)  # T = 6 <= max_tokens: compiled
+        native.forward(torch.tensor([[3]]), cache, (1,), attention_mask=torch.ones(1, 7, dtype=torch.long))
+        cache.rollback(6)
+        native.forward(torch.tensor([[3, 4, 5, 6]]), cache, (1,), tree.position_ids, tree.attention_mask)
+    assert native.compiled.devices == {META} and audit.mixed == [], audit.mixed
+
+
 def test_cache_pool_hands_one_requests_buffers_to_the_next():
     """With CUDA graphs the cache keeps its addresses across requests: a new cache reuses the buffers of
     the last one once it is gone (never while it lives), and the output does not change."""
@@ -369,15 +403,15 @@ def test_cache_pool_hands_one_requests_buffers_to_the_next():
     target.forward(torch.tensor([PROMPT]), a)
     b = target.new_cache()
     target.forward(torch.tensor([PROMPT]), b)
-    assert a.keys[0].data_ptr() != b.keys[0].data_ptr()  # a lives: b allocates its own
-    ptr = b.keys[0].data_ptr()
+    assert a.keys[0] is not b.keys[0]  # a lives: b allocates its own
+    buffers = b.keys[0]  # the same tensor object, not an address a CPU allocator may hand out again
     del a, b
     gc.collect()
     for _ in range(2):  # stale keys in the lent buffers never show
         assert generate(target, NgramDrafter(), PROMPT, config=GenerationConfig(max_new_tokens=30)).token_ids == ref
         c = target.new_cache()
         target.forward(torch.tensor([PROMPT]), c)
-        assert c.keys[0].data_ptr() == ptr
+        assert c.keys[0] is buffers
         del c
 
 

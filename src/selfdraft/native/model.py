@@ -233,8 +233,8 @@ class NativeModel:
         dev = self.device
         input_ids = input_ids.to(dev)
         native = isinstance(cache, NativeCache)
-        # past: host bookkeeping (the cache's lengths are Python ints); tensors built from it below
-        # are made on the device, so a step copies [B, T] positions to it, not [B, T, Lk] masks.
+        # past: host bookkeeping (the cache's lengths are Python ints); the positions and masks built
+        # from it are made on the device (`_slots`), so a step copies [B] lengths there, not [B, T, Lk] masks.
         if native:
             cache.reserve(B, cache.get_seq_length() + T)
             past = torch.tensor(cache.lengths)  # [B] slot of each row's first new token
@@ -349,8 +349,8 @@ class NativeModel:
         a caller's 4D mask is used as is (as HF does)."""
         if given is not None and given.dim() == 4:
             return mask
-        if mask is None and int(past.max()) + T - 1 < window:  # every key is within the window (on the host:
-            return None  # no device sync)
+        if mask is None and int(past.max()) + T - 1 < window:  # every key within the window: no mask (decided
+            return None  # on the host lengths, so no device sync)
         near = torch.arange(Lk, device=self.device)[None, None, :] > self._slots(past, T)[:, :, None] - window  # [B, T, Lk]
         near = near[:, None]
         return near if mask is None else mask & near
