@@ -401,3 +401,15 @@ def test_history_cut_for_drafters_without_confidences_is_exact():
     plain = generate(target, BlindDrafter(V_SMALL, m=0), prompt, SamplingParams(seed=0), cfg)
     cut = generate(target, BlindDrafter(V_SMALL, m=0), prompt, SamplingParams(seed=0), cfg, scheduler=sched)
     assert cut.token_ids == plain.token_ids
+
+
+def test_a_noisy_profile_cannot_price_a_wider_forward_above_a_wider_one():
+    """A profile measured on a busy machine (real readings) is capped by the larger B it measured:
+    padding B tokens to B' costs at most the B' forward."""
+    from selfdraft.profile import Profile
+
+    ms = [24.7, 63.7, 44.6, 68.9, 32.0, 42.7, 51.0, 68.1]
+    prof = Profile(target="t", fingerprint="f", dtype="x", kv_len=256, threads=1, machine="m", time="now",
+                   batch_tokens=list(range(1, 9)), seconds=[m / 1e3 for m in ms])
+    table = prof.cost_table()
+    assert [round(1e3 / table(b), 1) for b in range(1, 9)] == [24.7, 32.0, 32.0, 32.0, 32.0, 42.7, 51.0, 68.1]
