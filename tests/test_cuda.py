@@ -25,11 +25,11 @@ import torch
 from selfdraft import methods
 from selfdraft.config import GenerationConfig, SamplingParams, TrainConfig
 from selfdraft.decode import generate
-from selfdraft.drafters import Drafter, Proposal
 from selfdraft.engine import Engine
 from selfdraft.target import Target
 from selfdraft.training.strategy import STRATEGIES
 from tests.conftest import tiny_llama
+from tests.test_decode import ModelDrafter
 
 DEVICE = torch.device(os.environ.get("SELFDRAFT_TEST_DEVICE", "cuda"))
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -158,25 +158,7 @@ def test_seeded_sampling_runs_and_repeats(target, kind):
     assert runs[0] == runs[1] and len(runs[0]) == 16 and all(0 <= t < V for t in runs[0])
 
 
-class DeviceModelDrafter(Drafter):
-    """test_decode's two-model drafter (q from a second tiny LM) with its inputs on the model's device."""
-
-    name = "tiny-model"
-
-    def __init__(self, model) -> None:
-        self.model = model
-
-    @torch.inference_mode()
-    def propose(self, tokens, gamma, params, generator):
-        from selfdraft.sampling import probs_from_logits, sample
-
-        seq, drafts, qs = list(tokens), [], []
-        for _ in range(gamma):
-            logits = self.model(torch.tensor([seq], device=self.model.device)).logits[0, -1]
-            q = probs_from_logits(logits, params)
-            x = int(sample(q, generator))
-            drafts.append(x), qs.append(q), seq.append(x)
-        return Proposal(torch.tensor(drafts), torch.stack(qs)) if drafts else Proposal.empty()
+DeviceModelDrafter = ModelDrafter  # test_decode's two-model drafter: its inputs follow the model's device
 
 
 def test_sampling_follows_p_chi_square():

@@ -24,7 +24,8 @@ from tests.test_verify import _broken_chain
 
 class ModelDrafter(Drafter):
     """Classic two-model speculative sampling: a second tiny LM samples γ drafts from its own q.
-    Its q differs from p, so rejections and residual resampling happen often."""
+    Its q differs from p, so rejections and residual resampling happen often. Inputs go to the model's
+    device (tests/test_cuda.py runs it on the GPU)."""
 
     name = "tiny-model"
 
@@ -35,7 +36,7 @@ class ModelDrafter(Drafter):
     def propose(self, tokens, gamma, params, generator):
         seq, drafts, qs = list(tokens), [], []
         for _ in range(gamma):
-            logits = self.model(torch.tensor([seq])).logits[0, -1:]  # [1, V]
+            logits = self.model(torch.tensor([seq], device=self.model.device)).logits[0, -1:]  # [1, V]
             q = probs_from_logits(process_logits(logits, params, [self.generated(seq)])[0], params)  # [V]
             x = int(q.argmax()) if params.greedy else int(sample(q, generator))
             drafts.append(x), qs.append(q), seq.append(x)

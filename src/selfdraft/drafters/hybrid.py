@@ -103,7 +103,7 @@ class HybridDrafter(Drafter):
         t0 = time.perf_counter()
         p = self.neural.propose_until(tokens, gamma, params, generator, admission)
         dt = time.perf_counter() - t0
-        e = 1.0 + (float(prefix_survival(p.confidences).sum()) if p.confidences is not None and len(p.tokens) else 0.0)
+        e = _expected_tokens(p)
         ema = lambda old, new: new if not old else 0.8 * old + 0.2 * new  # noqa: E731
         self.neural_s, self.neural_value, self.neural_n = ema(self.neural_s, dt), ema(self.neural_value, e), \
             ema(self.neural_n, float(len(p.tokens)))
@@ -111,9 +111,8 @@ class HybridDrafter(Drafter):
 
     def _value(self, p: Proposal, draft_s: float, cost) -> float:
         """Expected tokens of the round (1 + Σ a_j), per second of it when a cost table is known."""
-        n = len(p.tokens)
-        e = 1.0 + (float(prefix_survival(p.confidences).sum()) if n and p.confidences is not None else 0.0)
-        return e if cost is None else e / (1.0 / cost(1 + n) + draft_s)
+        e = _expected_tokens(p)
+        return e if cost is None else e / (1.0 / cost(1 + len(p.tokens)) + draft_s)
 
     def _predicted(self, cost) -> float:
         """What the trained drafter's rounds were worth lately (its pass time included); before its
@@ -127,6 +126,13 @@ class HybridDrafter(Drafter):
     def _pick(self, who: str, p: Proposal) -> Proposal:
         self.picked[who] += 1
         return p
+
+
+def _expected_tokens(p: Proposal) -> float:
+    """1 + Σ_j a_j: the tokens a round with this proposal is expected to commit (1 without confidences)."""
+    if not len(p.tokens) or p.confidences is None:
+        return 1.0
+    return 1.0 + float(prefix_survival(p.confidences).sum())
 
 
 def _fresh(admission: Admission | None, overhead_s: float) -> Admission | None:
