@@ -16,7 +16,7 @@ if [ ! -d "$DATA" ]; then  # a writable copy: the draft vocabulary is written be
   fi
   mkdir -p "$(dirname "$DATA")" && cp -r "$SRC" "$DATA" && chmod -R u+w "$DATA"
 fi
-# A new machine (no $OUT): warm-start from the campaign's committed weights (the first 727k tokens of the
+# A new machine (no $OUT): warm-start from the campaign's committed weights (the first 1.007M tokens of the
 # seed-0 order), with another data order; the optimizer state and the cursor are lost (docs/training.md).
 if [ -z "${INIT:-}" ]; then
   if [ ! -d "$OUT" ] && [ -d checkpoints/dspark-campaign ]; then INIT=checkpoints/dspark-campaign; SEED=${SEED:-1}; else INIT=checkpoints/dspark; fi
