@@ -289,15 +289,19 @@ class ExportReport:
     speculative_tokens: int
 
 
-def export_speculators(
-    src_dir: str | Path, out_dir: str | Path, target: "Target", verifier: str | None = None
-) -> ExportReport:
-    """Write the speculators-format checkpoint of the selfdraft drafter in `src_dir` to `out_dir` (atomically).
+@dataclass
+class SpeculatorsCheckpoint:
+    """A drafter in the speculators layout, in memory: what `export_speculators` writes and the GGUF
+    export (selfdraft/llamacpp/export.py) renames for llama.cpp."""
 
-    `target` must be the drafter's target (checked by fingerprint); `verifier` names it as the user will
-    serve it (hub id or local directory; default: the embedded target's hub id, else the target's name).
-    Refuses (CheckpointError, with the `--config` to retrain with) a drafter vLLM cannot run as trained.
-    """
+    config: dict  # config.json
+    tensors: dict[str, torch.Tensor]  # speculators name -> tensor (CPU)
+    cfg: DrafterConfig
+    verifier: str
+
+
+def speculators_checkpoint(src_dir: str | Path, target: "Target", verifier: str | None = None) -> SpeculatorsCheckpoint:
+    """The speculators layout of the selfdraft drafter in `src_dir` (see `export_speculators`)."""
     src_dir = Path(src_dir)
     meta = read_config(src_dir)
     check_target(meta, target, src_dir)
@@ -338,17 +342,30 @@ def export_speculators(
     config = speculators_config(cfg, target, extra, name)
     floats = [t.dtype for t in tensors.values() if t.is_floating_point()]  # (not d2t's int64: loaders build in this dtype)
     config["torch_dtype"] = str(floats[0] if floats else torch.float32).removeprefix("torch.")
+    return SpeculatorsCheckpoint(config, tensors, cfg, name)
+
+
+def export_speculators(
+    src_dir: str | Path, out_dir: str | Path, target: "Target", verifier: str | None = None
+) -> ExportReport:
+    """Write the speculators-format checkpoint of the selfdraft drafter in `src_dir` to `out_dir` (atomically).
+
+    `target` must be the drafter's target (checked by fingerprint); `verifier` names it as the user will
+    serve it (hub id or local directory; default: the embedded target's hub id, else the target's name).
+    Refuses (CheckpointError, with the `--config` to retrain with) a drafter vLLM cannot run as trained.
+    """
+    ck = speculators_checkpoint(src_dir, target, verifier)
     with atomic_dir(out_dir) as tmp:
-        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / CONFIG_FILE).write_text(json.dumps(ck.config, indent=2) + "\n")
+        save_file(ck.tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
     out = Path(out_dir).resolve()
     return ExportReport(
         path=out,
         files={p.name: p.stat().st_size for p in sorted(out.iterdir())},
-        tensors={k: tuple(v.shape) for k, v in tensors.items()},
-        verifier=name,
-        method=method,
-        speculative_tokens=cfg.gamma,
+        tensors={k: tuple(v.shape) for k, v in ck.tensors.items()},
+        verifier=ck.verifier,
+        method=ck.cfg.method,
+        speculative_tokens=ck.cfg.gamma,
     )
 
 

@@ -74,6 +74,27 @@ class DrafterSpec:
     label: str
     source: str  # registry name (none, ngram) or a checkpoint directory
     scheduler: str | None = None  # this runner's --scheduler (None: the run's)
+    llamacpp: str | None = None  # llama.cpp:DIR[@P]: run DIR in llama.cpp; P = "default" | "rec" | a p_min
+
+
+LLAMA_CPP_PREFIX = "llama.cpp:"
+
+
+def _llamacpp_spec(text: str) -> DrafterSpec:
+    """`llama.cpp:DIR[@default|@rec|@P]`: our drafter in llama.cpp's speculative decoding, at llama.cpp's
+    default flags, at the recommended ones (llamacpp/settings.py), or at --spec-draft-p-min P with n_max γ."""
+    body = text[len(LLAMA_CPP_PREFIX):]
+    head, at, how = body.rpartition("@")
+    src, how = (head, how) if at else (body, "default")
+    if how not in ("default", "rec"):
+        try:
+            if not 0 <= float(how) <= 1:
+                raise ValueError
+        except ValueError:
+            raise ConfigError(f"drafter spec {text!r}: after @ give default, rec or a p_min in [0, 1]") from None
+    if not (Path(src).expanduser() / "config.json").is_file():
+        raise ConfigError(f"drafter spec {text!r}: {src!r} is not a drafter checkpoint directory")
+    return DrafterSpec(f"llama.cpp+{_checkpoint_label(Path(src))}@{how}", src, llamacpp=how)
 
 
 def parse_drafter_spec(text: str) -> DrafterSpec:
@@ -87,6 +108,8 @@ def parse_drafter_spec(text: str) -> DrafterSpec:
     text = text.strip()
     if not text:
         raise ConfigError("empty drafter spec")
+    if text.startswith(LLAMA_CPP_PREFIX):
+        return _llamacpp_spec(text)
     head, at, kind = text.rpartition("@")
     if at and kind in SCHEDULERS + ("auto",) and head:
         return replace(parse_drafter_spec(head), scheduler=kind)
@@ -137,6 +160,8 @@ class Sample:
     verify_s: float = 0.0
     prefill_s: float = 0.0
     finish_reason: str = "length"
+    drafted: int | None = None  # drafts sent to verification (None: a runner that does not draft)
+    drafts_accepted: int = 0
 
     @classmethod
     def from_result(cls, res: "GenerationResult", gamma: int, label: str, dataset: str, prompt: int,
@@ -147,6 +172,7 @@ class Sample:
             accepted_sum=sum(res.accepted_lengths), position_counts=res.position_acceptance(gamma),
             draft_s=sum(r.draft_s for r in res.rounds), verify_s=sum(r.verify_s for r in res.rounds),
             prefill_s=res.prefill_s, finish_reason=res.finish_reason,
+            drafted=sum(r.proposed for r in res.rounds), drafts_accepted=sum(r.accepted for r in res.rounds),
         )
 
     def to_dict(self) -> dict:
@@ -176,6 +202,7 @@ class CellMetrics:
     speedup_vs_hf: float | None = None  # tokens/s ratio to HF generate(), same run
     greedy_match: float | None = None  # greedy only: share of generations with tokens == `none`'s
     greedy_prefix: float | None = None  # greedy only: mean share of `none`'s tokens reproduced before a first difference
+    draft_acceptance: float | None = None  # Σ accepted drafts / Σ drafts verified (llama.cpp's "accept" rate)
 
 
 def compute_metrics(samples: list[Sample], gamma: int, greedy: bool) -> list[CellMetrics]:
@@ -199,6 +226,9 @@ def compute_metrics(samples: list[Sample], gamma: int, greedy: bool) -> list[Cel
         )
         if group[0].rounds is not None:
             _fill_round_metrics(cell, group, gamma, len(passes))
+        drafted = sum(s.drafted or 0 for s in group)
+        if drafted:
+            cell.draft_acceptance = sum(s.drafts_accepted for s in group) / drafted
         if greedy and label != BASELINE and reference:
             pairs = [(s.token_ids, reference.get((s.dataset, s.prompt, s.repeat))) for s in group]
             pairs = [(a, b) for a, b in pairs if b is not None]
@@ -362,8 +392,10 @@ def run_bench(target: "Target", drafters: list[DrafterSpec], datasets: list[Prom
             raise DatasetError(f"{ps.name}: prompt(s) {too_long[:5]} leave no room for {cfg.max_new_tokens} new "
                                f"tokens in the target's context of {target.max_context}; lower --max-new-tokens")
 
-    runners = [_our_runner(target, d, cfg) for d in drafters]
     servers: list = []
+    runners = [_llamacpp_drafter_runner(target, d, cfg, servers) if d.llamacpp else _our_runner(target, d, cfg)
+               for d in drafters]
+    runners = [r for r in runners if r is not None]
     if cfg.peers:
         runners += [_hf_runner(target, cfg, prompt_lookup=False), _hf_runner(target, cfg, prompt_lookup=True)]
         runners += _llamacpp_runners(target, cfg, servers)
@@ -403,6 +435,45 @@ def _llamacpp_runners(target: "Target", cfg: BenchConfig, servers: list) -> list
         spec = f" --spec-type ngram-simple --spec-ngram-simple-size-m {ngram}" if ngram else ""
         out.append(Runner(label, "llama.cpp", f"{Path(binary).name} -m {gguf.name}{spec}", run))
     return out
+
+
+def _llamacpp_drafter_runner(target: "Target", spec: DrafterSpec, cfg: BenchConfig, servers: list) -> Runner | None:
+    """llama.cpp's speculative decoding with our drafter (exported to GGUF once, cached by content)."""
+    from selfdraft.bench.llamacpp import LlamaServer, drafter_args, find_server
+    from selfdraft.llamacpp.export import cached_gguf
+    from selfdraft.llamacpp.settings import recommend_for
+
+    binary = find_server()
+    if binary is None or target.gguf_source is None:
+        print(f"{spec.label} skipped: " + ("llama.cpp is not installed (make test-llamacpp)" if binary is None else
+                                          "the target has no GGUF file"), file=sys.stderr)  # fmt: skip
+        return None
+    rep = cached_gguf(spec.source, target)
+    threads = torch.get_num_threads()
+    if spec.llamacpp == "default":
+        n_max, p_min = None, None  # llama.cpp's own: n_max 3, p_min 0
+    elif spec.llamacpp == "rec":
+        rec = recommend_for(spec.source, rep, target, threads)
+        if rec is None:
+            print(f"{spec.label} skipped: no recommended settings", file=sys.stderr)
+            return None
+        n_max, p_min = rec.best.n_max, rec.best.p_min
+    else:
+        n_max, p_min = cfg.gamma, float(spec.llamacpp)
+    srv = LlamaServer(binary, target.gguf_source, threads, spec=drafter_args(rep.path, rep.spec_type, threads, n_max, p_min)).start()
+    servers.append(srv)
+
+    def run(ids: list[int], seed: int, max_new_tokens: int) -> Sample:
+        t0 = time.perf_counter()
+        r = srv.complete(ids, max_new_tokens, cfg.temperature, cfg.top_p, seed)
+        elapsed = time.perf_counter() - t0
+        new, t = list(r.get("tokens", [])), r.get("timings", {})
+        finish = "eos" if r.get("stop_type") == "eos" else "length"
+        return Sample(spec.label, "", -1, -1, len(new), elapsed, new, finish_reason=finish,
+                      drafted=int(t.get("draft_n", 0)), drafts_accepted=int(t.get("draft_n_accepted", 0)))
+
+    flags = " ".join(srv.spec)
+    return Runner(spec.label, "llama.cpp", f"{Path(binary).name} -m {target.gguf_source.name} {flags}", run)
 
 
 def _run(target: "Target", runners: list[Runner], datasets: list[PromptSet], prompts: list, names: list[str],

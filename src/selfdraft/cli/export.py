@@ -1,4 +1,5 @@
-"""`selfdraft export`: a trained drafter as a speculators checkpoint for vLLM (docs/architecture.md#checkpoints-and-export)."""
+"""`selfdraft export`: a trained drafter for another runtime: a speculators checkpoint for vLLM, or a GGUF
+drafter for llama.cpp (docs/architecture.md#checkpoints-and-export, docs/llamacpp.md)."""
 
 from __future__ import annotations
 
@@ -12,27 +13,59 @@ from selfdraft.cli.common import DtypeOpt, TargetOpt, command
 from selfdraft.config import ConfigError
 
 
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+FORMATS = ("speculators", "gguf")
+
+
 def register(app: typer.Typer) -> None:
     command(app, "export")(export_cmd)
 
 
 def export_cmd(
     src: Path = typer.Argument(..., help="selfdraft drafter checkpoint directory (from `selfdraft train`)"),
-    out: Path = typer.Argument(..., help="output directory (written atomically)"),
-    fmt: str = typer.Option("speculators", "--format", help="speculators (what vLLM's speculative decoding loads)"),
+    out: Path = typer.Argument(..., help="output: a directory (speculators) or a .gguf file (gguf); written atomically"),
+    fmt: str = typer.Option("speculators", "--format", help="speculators (what vLLM loads) | gguf (what llama.cpp's -md loads)"),
     target: Optional[str] = TargetOpt,
     verifier: Optional[str] = typer.Option(
-        None, "--verifier", help="the verifier as you will serve it: hub id or local model dir (default: the target's hub id)"
+        None, "--verifier", help="speculators: the verifier as you will serve it: hub id or local model dir (default: the target's hub id)"
     ),
+    target_gguf: Optional[Path] = typer.Option(
+        None, "--target-gguf", help="gguf: the target's GGUF as llama.cpp serves it (its vocabulary is copied; default: the GGUF the target was loaded from)"
+    ),
+    gguf_type: str = typer.Option("f16", "--gguf-type", help="gguf: matrices in f16 | bf16 | f32 (norms stay f32)"),
+    recommend: bool = typer.Option(
+        True, "--recommend/--no-recommend",
+        help="gguf, DSpark: time llama.cpp here and print the --spec-draft-p-min / -n-max with the most expected tokens/s "
+             "(needs llama.cpp and a calibrated drafter; written beside OUT as .settings.json/.md)",
+    ),
+    threads: int = typer.Option(0, "--threads", help="gguf --recommend: llama.cpp threads to time (0 = the cores torch uses)"),
     dtype: str = DtypeOpt,
 ) -> None:
-    """Export a trained drafter as a speculators checkpoint (config.json + model.safetensors) for vLLM."""
-    from selfdraft.export import export_speculators
+    """Export a trained drafter: a speculators checkpoint for vLLM, or a GGUF drafter for llama.cpp."""
     from selfdraft.target import Target
 
-    if fmt != "speculators":
-        raise ConfigError(f"--format {fmt!r}: the only export format is 'speculators'")
+    if fmt not in FORMATS:
+        raise ConfigError(f"--format {fmt!r}: one of {', '.join(FORMATS)}")
     tgt = Target.load(target, dtype=dtype)
+    if fmt == "gguf":
+        from selfdraft.llamacpp.export import export_gguf
+
+        rep = export_gguf(src, out, tgt, target_gguf=target_gguf, out_type=gguf_type)
+        print(f"-> {rep.path} ({rep.bytes / 1e6:.1f} MB, llama.cpp arch {rep.arch!r}, {len(rep.tensors)} tensors)\n"
+              f"serve it: {rep.server_command()}", file=sys.stderr)  # fmt: skip
+        if recommend and rep.method == "dspark":
+            from selfdraft.llamacpp.settings import recommend_for
+
+            rec = recommend_for(src, rep, tgt, threads or torch_threads())
+            if rec is not None:
+                print(f"recommended on this machine: {rep.server_command(rec.best.p_min, rec.best.n_max)}", file=sys.stderr)
+        return
+    from selfdraft.export import export_speculators
+
     rep = export_speculators(src, out, tgt, verifier=verifier)
     files = ", ".join(f"{name} ({size / 1e6:.1f} MB)" for name, size in rep.files.items())
     print(f"-> {rep.path}: {files}\nserve it: vllm serve {rep.verifier} --speculative-config "

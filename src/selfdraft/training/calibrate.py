@@ -7,7 +7,8 @@
 2. For k = 1..γ in order, grid-search T_k minimising ECE(a_k, y_k) with a_k = a_{k-1} · σ(z_k / T_k),
    T_1..T_{k-1} fixed. Order preserving per position.
 3. Store T_k as the model's `conf_temperature` buffer (model.safetensors, atomically) with
-   calibration.json (ECE / ROC-AUC of a_k before and after) and one reliability diagram per position.
+   calibration.json (ECE / ROC-AUC of a_k before and after), one reliability diagram per position and
+   the rounds themselves (calibration_rounds.safetensors).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from selfdraft.sampling import probs_from_logits, sample
 from selfdraft.target import Target
 
 TEMPERATURE_GRID = torch.logspace(-1.5, 1.5, 151).tolist()  # 0.03 .. 32, geometric
+ROUNDS_FILE = "calibration_rounds.safetensors"  # the held-out (z_k, accepted_k) the fit used
 MIN_REACHED = 20  # held-out rounds that must reach a position before its T_k is fitted
 
 
@@ -230,7 +232,7 @@ def store_calibration(dir: str | Path, rounds: HeldOutRounds, temperatures: list
     state["conf_temperature"] = torch.tensor(temperatures, dtype=state["conf_temperature"].dtype)
     with atomic_dir(dir) as tmp:
         for f in dir.iterdir():
-            if f.name in (WEIGHTS_FILE, "calibration.json", "calibration"):
+            if f.name in (WEIGHTS_FILE, "calibration.json", "calibration", ROUNDS_FILE):
                 continue
             if f.is_dir():
                 shutil.copytree(f, tmp / f.name)
@@ -243,6 +245,9 @@ def store_calibration(dir: str | Path, rounds: HeldOutRounds, temperatures: list
         body = {**meta, "rounds": int(rounds.z.shape[0]), "temperatures": temperatures,
                 "positions": [asdict(r) for r in reports]}
         (tmp / "calibration.json").write_text(json.dumps(body, indent=2) + "\n")
+        # the rounds themselves: llama.cpp's recommended threshold is chosen on them (llamacpp/settings.py)
+        save_file({"z": rounds.z.float().contiguous(), "accepted": rounds.accepted.to(torch.uint8).contiguous()},
+                  str(tmp / ROUNDS_FILE))
         (tmp / "calibration").mkdir()
         for k in range(1, len(temperatures) + 1):
             reliability_diagram(rounds, temperatures, k, tmp / "calibration" / f"reliability_k{k}.png")
@@ -266,3 +271,12 @@ def calibrate_checkpoint(
     meta = {"prompts": len(prompts), "temperature": params.temperature, "top_p": params.top_p,
             "top_k": params.top_k, "max_new_tokens": max_new_tokens, "seed": seed}
     return store_calibration(dir, rounds, temps, meta)
+
+
+def load_rounds(dir: str | Path) -> HeldOutRounds | None:
+    """The held-out rounds a calibration stored in `dir`, or None (calibrated before they were kept)."""
+    path = Path(dir) / ROUNDS_FILE
+    if not path.is_file():
+        return None
+    t = load_file(str(path))
+    return HeldOutRounds(t["z"], t["accepted"].bool())
