@@ -181,7 +181,7 @@ def test_report_files(tiny_results, tmp_path):
     assert {"cpu", "cores", "torch", "transformers", "dtype"} <= set(data["machine"])
     assert len(data["metrics"]) == 4 * 2 and "token_ids" not in data["samples"][0]
     md = paths["markdown"].read_text()
-    assert "| dataset | runner | τ | tok/s | × none | × HF gen | acc@1 |" in md and "| = none | prefix = none |" in md
+    assert "| dataset | runner | τ | drafts acc | tok/s | × none | × HF gen | acc@1 |" in md and "| = none | prefix = none |" in md
     assert "| rep | ngram |" in md and markdown_table(tiny_results) in md
     for key in ("tau", "acceptance", "speedup"):
         blob = paths[key].read_bytes()

@@ -194,6 +194,7 @@ def test_llama_cpp_bench_specs(tmp_path, target):
     assert (spec.label, spec.source, spec.llamacpp) == ("llama.cpp+dflash@rec", src, "rec")
     assert parse_drafter_spec(f"llama.cpp:{src}").llamacpp == "default"
     assert parse_drafter_spec(f"llama.cpp:{src}@0.6").llamacpp == "0.6"
+    assert parse_drafter_spec("llama.cpp:plain").llamacpp == "plain"
     for bad in (f"llama.cpp:{src}@2", f"llama.cpp:{src}@often", f"llama.cpp:{tmp_path}/nothing"):
         with pytest.raises(ConfigError):
             parse_drafter_spec(bad)

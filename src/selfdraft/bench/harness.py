@@ -82,8 +82,11 @@ LLAMA_CPP_PREFIX = "llama.cpp:"
 
 def _llamacpp_spec(text: str) -> DrafterSpec:
     """`llama.cpp:DIR[@default|@rec|@P]`: our drafter in llama.cpp's speculative decoding, at llama.cpp's
-    default flags, at the recommended ones (llamacpp/settings.py), or at --spec-draft-p-min P with n_max γ."""
+    default flags, at the recommended ones (llamacpp/settings.py), or at --spec-draft-p-min P with n_max γ;
+    `llama.cpp:plain`: llama.cpp without a drafter."""
     body = text[len(LLAMA_CPP_PREFIX):]
+    if body == "plain":  # llama.cpp without speculation, as a drafter spec (the peers also bring the HF runners)
+        return DrafterSpec("llama.cpp-plain", "plain", llamacpp="plain")
     head, at, how = body.rpartition("@")
     src, how = (head, how) if at else (body, "default")
     if how not in ("default", "rec"):
@@ -425,15 +428,9 @@ def _llamacpp_runners(target: "Target", cfg: BenchConfig, servers: list) -> list
             continue
         servers.append(srv)
 
-        def run(ids: list[int], seed: int, max_new_tokens: int, srv=srv, label=label) -> Sample:
-            t0 = time.perf_counter()
-            r = srv.complete(ids, max_new_tokens, cfg.temperature, cfg.top_p, seed)
-            new = list(r.get("tokens", []))
-            finish = "eos" if r.get("stop_type") == "eos" else "length"
-            return Sample(label, "", -1, -1, len(new), time.perf_counter() - t0, new, finish_reason=finish)
-
         spec = f" --spec-type ngram-simple --spec-ngram-simple-size-m {ngram}" if ngram else ""
-        out.append(Runner(label, "llama.cpp", f"{Path(binary).name} -m {gguf.name}{spec}", run))
+        out.append(Runner(label, "llama.cpp", f"{Path(binary).name} -m {gguf.name}{spec}",
+                          lambda ids, seed, n, srv=srv, label=label: _llamacpp_sample(srv, label, ids, seed, n, cfg)))
     return out
 
 
@@ -448,8 +445,13 @@ def _llamacpp_drafter_runner(target: "Target", spec: DrafterSpec, cfg: BenchConf
         print(f"{spec.label} skipped: " + ("llama.cpp is not installed (make test-llamacpp)" if binary is None else
                                           "the target has no GGUF file"), file=sys.stderr)  # fmt: skip
         return None
-    rep = cached_gguf(spec.source, target)
     threads = torch.get_num_threads()
+    if spec.llamacpp == "plain":
+        srv = LlamaServer(binary, target.gguf_source, threads).start()
+        servers.append(srv)
+        return Runner(spec.label, "llama.cpp", f"{Path(binary).name} -m {target.gguf_source.name}",
+                      lambda ids, seed, n: _llamacpp_sample(srv, spec.label, ids, seed, n, cfg))
+    rep = cached_gguf(spec.source, target)
     if spec.llamacpp == "default":
         n_max, p_min = None, None  # llama.cpp's own: n_max 3, p_min 0
     elif spec.llamacpp == "rec":
@@ -463,17 +465,19 @@ def _llamacpp_drafter_runner(target: "Target", spec: DrafterSpec, cfg: BenchConf
     srv = LlamaServer(binary, target.gguf_source, threads, spec=drafter_args(rep.path, rep.spec_type, threads, n_max, p_min)).start()
     servers.append(srv)
 
-    def run(ids: list[int], seed: int, max_new_tokens: int) -> Sample:
-        t0 = time.perf_counter()
-        r = srv.complete(ids, max_new_tokens, cfg.temperature, cfg.top_p, seed)
-        elapsed = time.perf_counter() - t0
-        new, t = list(r.get("tokens", [])), r.get("timings", {})
-        finish = "eos" if r.get("stop_type") == "eos" else "length"
-        return Sample(spec.label, "", -1, -1, len(new), elapsed, new, finish_reason=finish,
-                      drafted=int(t.get("draft_n", 0)), drafts_accepted=int(t.get("draft_n_accepted", 0)))
-
     flags = " ".join(rep.path.name if a == str(rep.path) else a for a in srv.spec)  # (no machine paths in reports)
-    return Runner(spec.label, "llama.cpp", f"{Path(binary).name} -m {target.gguf_source.name} {flags}", run)
+    return Runner(spec.label, "llama.cpp", f"{Path(binary).name} -m {target.gguf_source.name} {flags}",
+                  lambda ids, seed, n: _llamacpp_sample(srv, spec.label, ids, seed, n, cfg))
+
+
+def _llamacpp_sample(srv, label: str, ids: list[int], seed: int, max_new_tokens: int, cfg: BenchConfig) -> Sample:
+    t0 = time.perf_counter()
+    r = srv.complete(ids, max_new_tokens, cfg.temperature, cfg.top_p, seed)
+    elapsed = time.perf_counter() - t0
+    new, t = list(r.get("tokens", [])), r.get("timings", {})
+    finish = "eos" if r.get("stop_type") == "eos" else "length"
+    return Sample(label, "", -1, -1, len(new), elapsed, new, finish_reason=finish,
+                  drafted=int(t.get("draft_n", 0)) or None, drafts_accepted=int(t.get("draft_n_accepted", 0)))
 
 
 def _run(target: "Target", runners: list[Runner], datasets: list[PromptSet], prompts: list, names: list[str],
