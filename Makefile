@@ -57,7 +57,7 @@ $(LCPP)/.installed:
 	touch $@
 
 test-llamacpp: $(TSTAMP) $(LCPP)/.installed
-	SELFDRAFT_LLAMA_CPP_SRC=$(LCPP)/src/llama.cpp SELFDRAFT_LLAMA_CPP_PYPATH=$(LCPP)/py \
+	SELFDRAFT_TEST_LLAMACPP=1 SELFDRAFT_LLAMA_CPP_SRC=$(LCPP)/src/llama.cpp SELFDRAFT_LLAMA_CPP_PYPATH=$(LCPP)/py \
 	  $(BIN)/python -m pytest -q -s tests/test_llamacpp.py
 
 clean:

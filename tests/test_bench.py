@@ -201,7 +201,10 @@ def test_cli_bench_embedded(tmp_path):
                                    "--out", str(out), "--json"])
     assert res.exit_code == 0, res.output
     data = json.loads(Path(out / "results.json").read_text())
-    assert [r["label"] for r in data["runners"]] == ["none", "ngram", "hf-generate", "hf-prompt-lookup"]
+    from selfdraft.bench.llamacpp import find_server
+
+    peers = ["llama.cpp", "llama.cpp-ngram"] if find_server() else []  # found where llama.cpp is installed
+    assert [r["label"] for r in data["runners"]] == ["none", "ngram", "hf-generate", "hf-prompt-lookup"] + peers
     assert data["machine"]["dtype"] == "float32" and data["machine"]["target_format"].startswith("native-")
     assert (out / "tau.png").stat().st_size > 0
 
