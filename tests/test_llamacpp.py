@@ -277,3 +277,41 @@ def test_llama_cpp_accepts_our_drafts_at_our_rate(ckpt, embedded_fp32, tmp_path)
     sigma = (a * (1 - a) / ours[0] + b * (1 - b) / theirs[0]) ** 0.5
     print(f"{ckpt}: ours {a:.3f} ({ours[1]}/{ours[0]}), llama.cpp {b:.3f} ({theirs[1]}/{theirs[0]})")
     assert abs(a - b) <= 3 * sigma + 0.02, (a, b)
+
+
+def test_bench_runs_our_drafter_in_llama_cpp_against_a_stand_in_server(target, target_gguf, tmp_path, monkeypatch):
+    """`llama.cpp:DIR@P`: exported once (cached by content), served with -md / --spec-type / p_min / n_max,
+    its draft counts read from the server's timings."""
+    import json
+
+    from selfdraft.bench.datasets import PromptSet
+    from selfdraft.bench.harness import BenchConfig, run_bench
+    from tests.test_bench import FAKE_LLAMA_SERVER
+
+    src = make_checkpoint(target, "dflash", tmp_path / "ck")
+    fake, log = tmp_path / "llama-server", tmp_path / "argv.jsonl"
+    fake.write_text(FAKE_LLAMA_SERVER.format(python=sys.executable).replace(
+        '"timings": {}', '"timings": {"draft_n": 10 if "-md" in argv else 0, "draft_n_accepted": 4 if "-md" in argv else 0}'))
+    fake.chmod(0o755)
+    monkeypatch.setenv("SELFDRAFT_LLAMA_SERVER", str(fake))
+    monkeypatch.setenv("FAKE_LLAMA_LOG", str(log))
+    monkeypatch.setenv("SELFDRAFT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(Target, "gguf_source", property(lambda self: target_gguf))
+    ps = PromptSet.from_token_ids("p", [[1, 2, 3], [4, 5, 6]])
+    cfg = BenchConfig(max_new_tokens=5, gamma=4, progress=False, peers=False)
+    specs = [parse_drafter_spec(f"llama.cpp:{src}@0.5"), parse_drafter_spec("llama.cpp:plain")]
+    r = run_bench(target, specs, [ps], cfg)
+    assert r.labels == ["llama.cpp+dflash@0.5", "llama.cpp-plain"]
+    cell = {c.label: c for c in r.metrics}
+    assert cell["llama.cpp+dflash@0.5"].draft_acceptance == pytest.approx(0.4)
+    assert cell["llama.cpp-plain"].draft_acceptance is None
+    argv = [json.loads(line)["argv"] for line in log.read_text().splitlines()]
+    with_md = next(a for a in argv if "-md" in a)
+    flag = lambda a, k: a[a.index(k) + 1]  # noqa: E731
+    assert (flag(with_md, "--spec-type"), flag(with_md, "--spec-draft-p-min"), flag(with_md, "--spec-draft-n-max")) == \
+        ("draft-dflash", "0.5", "4")
+    drafter = Path(flag(with_md, "-md"))
+    assert drafter.parent == tmp_path / "cache" / "gguf" and drafter.is_file()
+    stamp = drafter.stat().st_mtime_ns
+    run_bench(target, specs[:1], [ps], cfg)  # the same checkpoint: the cached file, not a new export
+    assert drafter.stat().st_mtime_ns == stamp and len(list(drafter.parent.glob("*.gguf"))) == 1
