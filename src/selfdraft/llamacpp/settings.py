@@ -172,4 +172,8 @@ def recommend_for(src_dir: str | Path, report, target, threads: int) -> Recommen
     Path(f"{base}.settings.json").write_text(json.dumps(rec.to_dict(), indent=1) + "\n")
     Path(f"{base}.settings.md").write_text(table(rec))
     print(table(rec), file=sys.stderr)
+    if rec.best.tokens_per_s < rec.plain_tokens_per_s:  # say so: the flags are the best with this drafter, not a win
+        print(f"note: even at these settings llama.cpp is expected slower with this drafter than without it here "
+              f"({rec.best.tokens_per_s:.1f} vs {rec.plain_tokens_per_s:.1f} tok/s): its draft pass and verify-k cost "
+              f"too much for the drafter's acceptance (docs/llamacpp.md#recommended-settings)", file=sys.stderr)  # fmt: skip
     return rec
