@@ -1,5 +1,6 @@
 """Copy a trained drafter into checkpoints/ as the repository ships it: weights cast to bf16, no
-trainer state, the training log kept, provenance noting where it came from.
+trainer state, the training log thinned (all val lines, every 10th train line), provenance noting
+where it came from.
 
     python scripts/ship_drafter.py work/main/dspark checkpoints/dspark
 """
@@ -27,6 +28,8 @@ def ship(src: Path, dst: Path) -> None:
         if f.name == "model.safetensors":
             state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(str(f)).items()}
             save_file(state, str(tmp / f.name))
+        elif f.name == "train_log.jsonl":
+            (tmp / f.name).write_text(thin_log(f.read_text()))
         elif f.is_dir():
             shutil.copytree(f, tmp / f.name)
         else:
@@ -37,6 +40,18 @@ def ship(src: Path, dst: Path) -> None:
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     shutil.rmtree(dst, ignore_errors=True)
     tmp.replace(dst)
+
+
+def thin_log(text: str, every: int = 10) -> str:
+    """Every val line and every `every`-th train line (checkpoints/ has a size budget; the full log stays in work/)."""
+    out, n = [], 0
+    for line in text.splitlines():
+        if '"kind": "train"' in line:
+            n += 1
+            if n % every:
+                continue
+        out.append(line)
+    return "\n".join(out) + "\n"
 
 
 def portable(x):
