@@ -429,8 +429,7 @@ def _llamacpp_runners(target: "Target", cfg: BenchConfig, servers: list) -> list
         servers.append(srv)
 
         spec = f" --spec-type ngram-simple --spec-ngram-simple-size-m {ngram}" if ngram else ""
-        out.append(Runner(label, "llama.cpp", f"{Path(binary).name} -m {gguf.name}{spec}",
-                          lambda ids, seed, n, srv=srv, label=label: _llamacpp_sample(srv, label, ids, seed, n, cfg)))
+        out.append(_server_runner(label, srv, f"{Path(binary).name} -m {gguf.name}{spec}", cfg))
     return out
 
 
@@ -449,8 +448,7 @@ def _llamacpp_drafter_runner(target: "Target", spec: DrafterSpec, cfg: BenchConf
     if spec.llamacpp == "plain":
         srv = LlamaServer(binary, target.gguf_source, threads).start()
         servers.append(srv)
-        return Runner(spec.label, "llama.cpp", f"{Path(binary).name} -m {target.gguf_source.name}",
-                      lambda ids, seed, n: _llamacpp_sample(srv, spec.label, ids, seed, n, cfg))
+        return _server_runner(spec.label, srv, f"{Path(binary).name} -m {target.gguf_source.name}", cfg)
     rep = cached_gguf(spec.source, target)
     if spec.llamacpp == "default":
         n_max, p_min = None, None  # llama.cpp's own: n_max 3, p_min 0
@@ -466,18 +464,22 @@ def _llamacpp_drafter_runner(target: "Target", spec: DrafterSpec, cfg: BenchConf
     servers.append(srv)
 
     flags = " ".join(rep.path.name if a == str(rep.path) else a for a in srv.spec)  # (no machine paths in reports)
-    return Runner(spec.label, "llama.cpp", f"{Path(binary).name} -m {target.gguf_source.name} {flags}",
-                  lambda ids, seed, n: _llamacpp_sample(srv, spec.label, ids, seed, n, cfg))
+    return _server_runner(spec.label, srv, f"{Path(binary).name} -m {target.gguf_source.name} {flags}", cfg)
 
 
-def _llamacpp_sample(srv, label: str, ids: list[int], seed: int, max_new_tokens: int, cfg: BenchConfig) -> Sample:
-    t0 = time.perf_counter()
-    r = srv.complete(ids, max_new_tokens, cfg.temperature, cfg.top_p, seed)
-    elapsed = time.perf_counter() - t0
-    new, t = list(r.get("tokens", [])), r.get("timings", {})
-    finish = "eos" if r.get("stop_type") == "eos" else "length"
-    return Sample(label, "", -1, -1, len(new), elapsed, new, finish_reason=finish,
-                  drafted=int(t.get("draft_n", 0)) or None, drafts_accepted=int(t.get("draft_n_accepted", 0)))
+def _server_runner(label: str, srv, source: str, cfg: BenchConfig) -> Runner:
+    """A runner on a started llama-server: one /completion per prompt, its draft counts from the timings."""
+
+    def run(ids: list[int], seed: int, max_new_tokens: int) -> Sample:
+        t0 = time.perf_counter()
+        r = srv.complete(ids, max_new_tokens, cfg.temperature, cfg.top_p, seed)
+        elapsed = time.perf_counter() - t0
+        new, t = list(r.get("tokens", [])), r.get("timings", {})
+        finish = "eos" if r.get("stop_type") == "eos" else "length"
+        return Sample(label, "", -1, -1, len(new), elapsed, new, finish_reason=finish,
+                      drafted=int(t.get("draft_n", 0)) or None, drafts_accepted=int(t.get("draft_n_accepted", 0)))
+
+    return Runner(label, "llama.cpp", source, run)
 
 
 def _run(target: "Target", runners: list[Runner], datasets: list[PromptSet], prompts: list, names: list[str],

@@ -9,14 +9,8 @@ from typing import Optional
 
 import typer
 
-from selfdraft.cli.common import DtypeOpt, TargetOpt, command
+from selfdraft.cli.common import DtypeOpt, TargetOpt, ThreadsOpt, command, set_threads
 from selfdraft.config import ConfigError
-
-
-def torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
 
 FORMATS = ("speculators", "gguf")
 
@@ -42,7 +36,7 @@ def export_cmd(
         help="gguf, DSpark: time llama.cpp here and print the --spec-draft-p-min / -n-max with the most expected tokens/s "
              "(needs llama.cpp and a calibrated drafter; written beside OUT as .settings.json/.md)",
     ),
-    threads: int = typer.Option(0, "--threads", help="gguf --recommend: llama.cpp threads to time (0 = the cores torch uses)"),
+    threads: int = ThreadsOpt,
     dtype: str = DtypeOpt,
 ) -> None:
     """Export a trained drafter: a speculators checkpoint for vLLM, or a GGUF drafter for llama.cpp."""
@@ -50,6 +44,7 @@ def export_cmd(
 
     if fmt not in FORMATS:
         raise ConfigError(f"--format {fmt!r}: one of {', '.join(FORMATS)}")
+    set_threads(threads)  # also the llama.cpp threads that --recommend times
     tgt = Target.load(target, dtype=dtype)
     if fmt == "gguf":
         from selfdraft.llamacpp.export import export_gguf
@@ -60,7 +55,7 @@ def export_cmd(
         if recommend and rep.method == "dspark":
             from selfdraft.llamacpp.settings import recommend_for
 
-            rec = recommend_for(src, rep, tgt, threads or torch_threads())
+            rec = recommend_for(src, rep, tgt, threads)
             if rec is not None:
                 print(f"recommended on this machine: {rep.server_command(rec.best.p_min, rec.best.n_max)}", file=sys.stderr)
         return

@@ -109,12 +109,10 @@ MTP_REASON = (
 )
 
 
-def refusal(spec: dict, target_arch: str) -> str | None:
-    """Why llama.cpp cannot run this speculators checkpoint as trained, or None."""
+def refusal(spec: dict) -> str | None:
+    """Why llama.cpp cannot run this speculators checkpoint as trained, or None (MTP: `MTP_REASON`)."""
     method = spec["speculators_model_type"]
     mine = (spec.get("selfdraft") or {}).get("drafter") or {}
-    if method == "mtp":
-        return MTP_REASON.format(arch=target_arch)
     if method not in FAMILIES:
         return f"a {method!r} drafter has no llama.cpp speculative type"
     if method == "dspark" and spec.get("markov_head_type", "vanilla") != "vanilla":
@@ -181,8 +179,9 @@ def _hparams(spec: dict, family: Family, target: "Target") -> list[GGUFField]:
     return out
 
 
-def target_vocab_fields(target_gguf: Path, target: "Target") -> list[GGUFField]:
-    """The target's `tokenizer.*` metadata, copied from the GGUF llama.cpp will serve it from (checked to be it)."""
+def read_target_gguf(target_gguf: Path, target: "Target") -> tuple[str, list[GGUFField]]:
+    """(architecture, `tokenizer.*` metadata) of the GGUF llama.cpp will serve the target from (checked to be it):
+    the vocabulary is copied into the drafter."""
     from gguf import GGUFReader, GGUFValueType as T
 
     try:
@@ -205,14 +204,7 @@ def target_vocab_fields(target_gguf: Path, target: "Target") -> list[GGUFField]:
         if key.startswith("tokenizer."):
             sub = field.types[1] if field.types[0] == T.ARRAY else None
             out.append(GGUFField(key, field.contents(), field.types[0], sub))
-    return out
-
-
-def target_arch(target_gguf: Path) -> str:
-    from gguf import GGUFReader
-
-    f = GGUFReader(str(target_gguf)).fields
-    return str(f["general.architecture"].contents()) if "general.architecture" in f else "unknown"
+    return str(arch or "unknown"), out
 
 
 # ------------------------------------------------------------------ tensors
@@ -297,15 +289,15 @@ def export_gguf(
     src_dir, out = Path(src_dir), Path(out)
     tgguf = resolve_target_gguf(target, target_gguf)
     method = read_config(src_dir)["method"]
-    arch = target_arch(tgguf)
+    arch, vocab = read_target_gguf(tgguf, target)
     if method == "mtp":  # refuse before building anything
         raise CheckpointError(f"{src_dir}: {MTP_REASON.format(arch=arch)}")
     ck = speculators_checkpoint(src_dir, target)
-    why = refusal(ck.config, arch)
+    why = refusal(ck.config)
     if why:
         raise CheckpointError(f"{src_dir}: {why}")
     family = FAMILIES[method]
-    fields = _hparams(ck.config, family, target) + target_vocab_fields(tgguf, target)
+    fields = _hparams(ck.config, family, target) + vocab
     if method in ("dflash", "dspark"):
         fields.append(GGUFField("tokenizer.ggml.mask_token_id", int(ck.config["mask_token_id"]), gguf.GGUFValueType.UINT32))
     temps = (ck.config.get("selfdraft") or {}).get("confidence_temperatures")
