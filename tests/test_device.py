@@ -476,6 +476,7 @@ def test_profiles_are_keyed_and_timed_by_device(meta_model, monkeypatch):
 def test_resume_loads_trainer_state_to_the_cpu_and_the_drafter_to_the_targets_device(tmp_path, monkeypatch):
     """A GPU run's trainer_state.pt loads anywhere (map_location), and the resumed drafter lives with the
     target, as a fresh run's does (checked on meta: the loaded module must come off the CPU)."""
+    import selfdraft.training.checkpointing as checkpointing_mod
     import selfdraft.training.trainer as trainer_mod
     from selfdraft.config import TrainConfig
     from tests.toy_training import write_dataset
@@ -490,9 +491,9 @@ def test_resume_loads_trainer_state_to_the_cpu_and_the_drafter_to_the_targets_de
     monkeypatch.setattr(torch, "load", lambda *a, **kw: loads.append(kw) or real_load(*a, **kw))
     plan = trainer_mod._plan(cpu_target, cfg, tcfg, None)
     meta_target = Target(cpu_target.model.to(META))
-    monkeypatch.setattr(trainer_mod, "check_target", lambda *a: None)  # meta weights have no fingerprint to match
+    monkeypatch.setattr(checkpointing_mod, "check_target", lambda *a: None)  # meta weights have no fingerprint to match
     monkeypatch.setattr("selfdraft.checkpoint.check_target", lambda *a: None)
-    run = trainer_mod._start_or_resume(meta_target, plan.strategy, plan.cfg, tcfg, tmp_path / "out", True, len(plan.train_seqs))
+    run = checkpointing_mod.start_or_resume(meta_target, plan.strategy, plan.cfg, tcfg, tmp_path / "out", True, len(plan.train_seqs))
     assert loads and all(kw.get("map_location") == "cpu" and kw.get("weights_only") for kw in loads)
     assert run.step == 1 and {p.device for p in run.model.parameters()} == {META}
 
@@ -518,7 +519,7 @@ def test_torchrun_binds_each_rank_to_its_gpu_and_fsdp_names_the_mesh_device(monk
     import torch.distributed.fsdp as fsdp_mod
 
     from selfdraft.config import ConfigError
-    from selfdraft.training.trainer import Distributed, bind_local_gpu
+    from selfdraft.training.distributed import Distributed, bind_local_gpu
 
     bound = []
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

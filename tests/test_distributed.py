@@ -22,7 +22,8 @@ import selfdraft
 from selfdraft.config import TrainConfig
 from selfdraft.methods import drafter_config
 from selfdraft.target import Target
-from selfdraft.training.trainer import STATE_FILE, train
+from selfdraft.training.checkpointing import STATE_FILE
+from selfdraft.training.trainer import train
 from tests.conftest import tiny_llama
 
 STEPS, TOL = 6, 1e-5
@@ -125,7 +126,7 @@ def test_fsdp_on_gloo(setup):
 
 def test_batch_must_split_over_ranks(setup, monkeypatch):
     from selfdraft.config import ConfigError
-    from selfdraft.training.trainer import Distributed
+    from selfdraft.training.distributed import Distributed
 
     root, target_dir, data = setup
     monkeypatch.setenv("WORLD_SIZE", "3")

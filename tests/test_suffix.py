@@ -18,7 +18,7 @@ from selfdraft.drafters.hybrid import RULES, HybridDrafter, merge_chains
 from selfdraft.engine import Engine
 from selfdraft.loader import load_drafter
 from selfdraft.methods.suffix.config import SuffixConfig
-from selfdraft.methods.suffix.drafter import GlobalSuffixCache, SuffixDrafter, draft_from
+from selfdraft.methods.suffix.drafter import SuffixDrafter, draft_from
 from selfdraft.methods.suffix.tree import SuffixTree
 from selfdraft.scheduler import CostTable, Scheduler
 from selfdraft.target import Target

@@ -12,7 +12,9 @@ from safetensors.torch import load_file
 
 from selfdraft.config import ConfigError, DrafterConfig, TrainConfig
 from selfdraft.target import Target
-from selfdraft.training.trainer import STATE_FILE, ScheduleOrigin, lr_at, train
+from selfdraft.training.checkpointing import STATE_FILE
+from selfdraft.training.optim import ScheduleOrigin, lr_at
+from selfdraft.training.trainer import train
 from tests.conftest import tiny_llama
 from tests.toy_training import TOY, ToyConfig, single_thread, toy_method, write_dataset  # noqa: F401  (fixtures)
 
@@ -141,7 +143,7 @@ def test_init_from_warm_starts_a_fresh_run(toy_method, tiny_target, data, tmp_pa
     train(tiny_target, dcfg, tcfg, tmp_path / "a")
     warm = train(tiny_target, dcfg, replace(tcfg, steps=1, lr=1e-9, warmup_steps=1, init_from=str(tmp_path / "a")),
                  tmp_path / "b")
-    cold = train(tiny_target, dcfg, replace(tcfg, steps=1, lr=1e-9, warmup_steps=1), tmp_path / "c")
+    train(tiny_target, dcfg, replace(tcfg, steps=1, lr=1e-9, warmup_steps=1), tmp_path / "c")
     a, b, c = (load_file(tmp_path / d / "model.safetensors") for d in "abc")
     assert warm.steps == 1 and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)  # started from a's weights
     assert not all(torch.allclose(a[k], c[k], atol=1e-6) for k in a)  # a fresh start would not be

@@ -126,7 +126,9 @@ def train_cmd(
     """Train a self-drafter on the target's own answers; the checkpoint loads with `--drafter OUT`."""
     from selfdraft.target import Target, resolve_device
     from selfdraft.training.records import iter_records
-    from selfdraft.training.trainer import STATE_FILE, bind_local_gpu, strategy_for
+    from selfdraft.training.checkpointing import STATE_FILE
+    from selfdraft.training.distributed import bind_local_gpu
+    from selfdraft.training.trainer import strategy_for
     from selfdraft.training.trainer import train as run_training
 
     set_threads(threads)
@@ -189,7 +191,7 @@ train_cmd.__annotations__ = {p.name: p.annotation for p in train_cmd.__signature
 def checkpoint_sizes(out: Path) -> str:
     """'model.safetensors 46.1 MB, trainer_state.pt 92.3 MB (resume only; --final-only drops it)'."""
     from selfdraft.checkpoint import WEIGHTS_FILE
-    from selfdraft.training.trainer import STATE_FILE
+    from selfdraft.training.checkpointing import STATE_FILE
 
     parts = [f"{WEIGHTS_FILE} {(out / WEIGHTS_FILE).stat().st_size / 1e6:.1f} MB"]
     if (out / STATE_FILE).exists():

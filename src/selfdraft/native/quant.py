@@ -21,7 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 INT4_GROUP = 32  # GGUF's block size; the kernels also take 64, 128, 256
 

@@ -1,0 +1,57 @@
+"""The optimizer and its schedule: AdamW over the drafter's parameters, linear warmup, then a cosine.
+
+The learning rate is a pure function of (step, tokens) and the segment's origin, so a resumed run
+needs no scheduler state beyond the origin that trainer_state.pt keeps
+(docs/training.md#checkpoints-and-resuming).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from selfdraft.config import ConfigError, TrainConfig
+
+
+@dataclass(frozen=True)
+class ScheduleOrigin:
+    """Where the cosine's current segment starts: (step, tokens) and the progress reached there. A run
+    starts at (0, 0, 0); resuming with another `steps` or `token_budget` starts a new segment at the
+    resume point, so the learning rate goes on from where it was instead of jumping."""
+
+    step: int = 0
+    tokens: int = 0
+    progress: float = 0.0
+
+
+def schedule_progress(step: int, tokens: int, cfg: TrainConfig, origin: ScheduleOrigin = ScheduleOrigin()) -> float:
+    """The cosine's progress after warmup: the larger of the step and token fractions of the current
+    segment, mapped onto what was left of the schedule at its origin (>= 1: done)."""
+    s0 = max(origin.step, cfg.warmup_steps)
+    frac = (step - s0) / max(1, cfg.steps - s0)
+    if cfg.token_budget:
+        frac = max(frac, (tokens - origin.tokens) / max(1, cfg.token_budget - origin.tokens))
+    return origin.progress + (1.0 - origin.progress) * max(0.0, frac)
+
+
+def lr_at(step: int, tokens: int, cfg: TrainConfig, origin: ScheduleOrigin = ScheduleOrigin()) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warmup, then cosine down to min_lr_ratio.
+
+    The cosine follows the run's progress, the larger of step/steps and tokens/token_budget, so it
+    ends where training stops whichever limit is hit first. A pure function of (step, tokens) and the
+    segment's origin, which trainer_state.pt keeps: resuming needs no other scheduler state.
+    """
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, schedule_progress(step, tokens, cfg, origin))))
+    return cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine)
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over the drafter's trainable parameters only (the target is frozen and not a submodule)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ConfigError("the drafter module has no trainable parameters")
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
