@@ -11,9 +11,16 @@ With --poison-every S, one more client sends a request with hostile parameters e
 (temperatures and top_p below float32's range, NaN, lone surrogates, unsupported fields): each must
 get its expected status (200 or 400) while every other request still finishes normally. With
 --big-body-mb, /health latency is measured first while a request that large is rejected (413).
+With --duration S (a soak), the clients send requests for S seconds instead of --requests: every
+--cancel-every'th one drops its stream after two chunks, every --nonstream-every'th one is not
+streamed; --server-pid samples the server's RSS every --rss-every seconds; at the end every request
+sent (load, dropped, hostile) must be counted once in /metrics (selfdraft_requests_total +
+selfdraft_rejected_requests_total).
 
     python scripts/load_serve.py --url http://127.0.0.1:8000 --clients 16 --requests 32 --max-tokens 48 \
         --check --out runs/serve/dspark.json
+    python scripts/load_serve.py --clients 8 --duration 1800 --cancel-every 5 --nonstream-every 4 \
+        --poison-every 10 --server-pid PID --out runs/serve/soak.json
 
 Deliberately light: no torch import, so the client does not compete with the server for the CPU.
 """
@@ -44,6 +51,7 @@ class Sample:
     index: int
     prompt: int  # index into the prompt list
     ok: bool
+    kind: str = "stream"  # stream | nonstream | dropped (the client closes the stream after two chunks)
     error: str = ""
     text: str = ""
     token_ids: list[int] | None = None  # with --check: the `return_token_ids` extension
@@ -69,16 +77,19 @@ def default_tokenizer() -> Path:
 
 
 def scrape(url: str) -> dict[str, float]:
-    """Sum of each sample of /metrics by name (labels summed)."""
+    """Each sample of /metrics by name (labels summed), and by name{label=value,...} too."""
     flat: dict[str, float] = {}
     for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
         for s in fam.samples:
             flat[s.name] = flat.get(s.name, 0.0) + s.value
+            if s.labels:
+                key = s.name + "{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}"
+                flat[key] = flat.get(key, 0.0) + s.value
     return flat
 
 
-async def one(client, model, i, p, prompt, max_tokens, stream: bool, ids: bool) -> Sample:
-    s = Sample(i, p, False, start=time.perf_counter())
+async def one(client, model, i, p, prompt, max_tokens, stream: bool, ids: bool, drop_after: int = 0) -> Sample:
+    s = Sample(i, p, False, kind="dropped" if drop_after else "stream" if stream else "nonstream", start=time.perf_counter())
     msgs = [{"role": "user", "content": prompt}]
     extra = {"return_token_ids": True} if ids else None
     try:
@@ -100,6 +111,10 @@ async def one(client, model, i, p, prompt, max_tokens, stream: bool, ids: bool) 
                     s.token_ids += ch.choices[0].model_extra.get("token_ids") or []
                 s.chunks += 1
                 s.finish_reason = ch.choices[0].finish_reason or s.finish_reason
+                if drop_after and s.chunks >= drop_after:
+                    await resp.close()  # the client goes away mid-response
+                    s.ok, s.end = True, time.perf_counter()
+                    return s
             s.text = "".join(parts)
         else:
             resp = await client.chat.completions.create(model=model, messages=msgs, max_tokens=max_tokens, temperature=0,
@@ -115,16 +130,21 @@ async def one(client, model, i, p, prompt, max_tokens, stream: bool, ids: bool) 
     return s
 
 
-async def run_phase(client, model, prompts, requests, clients, max_tokens, stream, ids) -> tuple[list[Sample], float]:
-    todo: asyncio.Queue = asyncio.Queue()
-    for i in range(requests):
-        todo.put_nowait(i)
+async def run_phase(client, model, prompts, requests, clients, max_tokens, stream, ids, duration: float = 0.0,
+                    cancel_every: int = 0, nonstream_every: int = 0) -> tuple[list[Sample], float]:
+    """`requests` requests over `clients` workers; with `duration`, as many as they send in that time."""
+    counter = iter(range(10**9 if duration else requests))
+    deadline = time.perf_counter() + duration
     done: list[Sample] = []
 
     async def worker():
-        while not todo.empty():
-            i = todo.get_nowait()
-            done.append(await one(client, model, i, i % len(prompts), prompts[i % len(prompts)], max_tokens, stream, ids))
+        for i in counter:
+            if duration and time.perf_counter() >= deadline:
+                return
+            drop = 2 if cancel_every and i % cancel_every == cancel_every - 1 else 0
+            streamed = stream and not (nonstream_every and not drop and i % nonstream_every == nonstream_every - 1)
+            done.append(await one(client, model, i, i % len(prompts), prompts[i % len(prompts)], max_tokens,
+                                  streamed, ids, drop))
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(clients)))
@@ -217,6 +237,20 @@ def health_during_big_body(url: str, key: str, model: str, megabytes: float, chu
     return out
 
 
+async def rss_sampler(pid: int, every: float, stop: asyncio.Event) -> list[tuple[float, float]]:
+    """(seconds since start, RSS in MB) of process `pid` every `every` seconds, until `stop`."""
+    out, t0 = [], time.perf_counter()
+    while True:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                out.append((round(time.perf_counter() - t0, 1), int(line.split()[1]) / 1024))
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=every)
+            return out
+        except asyncio.TimeoutError:
+            pass
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
@@ -237,6 +271,11 @@ async def main() -> None:
     ap.add_argument("--poison-every", type=float, default=0.0, help="one more client: a hostile request every S seconds")
     ap.add_argument("--big-body-mb", type=float, default=0.0,
                     help="first: /health latency while a request of this many MB is posted (and rejected, 413)")
+    ap.add_argument("--duration", type=float, default=0.0, help="a soak: send requests for S seconds (not --requests)")
+    ap.add_argument("--cancel-every", type=int, default=0, help="every Nth request drops its stream after two chunks")
+    ap.add_argument("--nonstream-every", type=int, default=0, help="every Nth request is not streamed")
+    ap.add_argument("--server-pid", type=int, default=0, help="sample this process's RSS (the server)")
+    ap.add_argument("--rss-every", type=float, default=30.0)
     a = ap.parse_args()
 
     client = openai.AsyncOpenAI(base_url=f"{a.url}/v1", api_key=a.api_key, max_retries=0, timeout=600,
@@ -253,12 +292,18 @@ async def main() -> None:
     before = scrape(a.url)
     stop = asyncio.Event()
     poison = asyncio.create_task(poisoner(a.url, a.api_key, model, a.poison_every, stop)) if a.poison_every else None
-    samples, wall = await run_phase(client, model, prompts, a.requests, a.clients, a.max_tokens, True, a.check)
+    rss = asyncio.create_task(rss_sampler(a.server_pid, a.rss_every, stop)) if a.server_pid else None
+    samples, wall = await run_phase(client, model, prompts, a.requests, a.clients, a.max_tokens, True, a.check,
+                                    a.duration, a.cancel_every, a.nonstream_every)
     stop.set()
     poisoned, skipped = await poison if poison else ([], 0)
+    rss_trend = await rss if rss else []
+    await asyncio.sleep(3.0)  # dropped streams reach the engine's inbox within a poll interval
     after = scrape(a.url)
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
 
+    dropped = [s for s in samples if s.kind == "dropped"]
+    samples = [s for s in samples if s.kind != "dropped"]
     ok = [s for s in samples if s.ok]
     ttft = [s.first - s.start for s in ok if s.first]
     per_user = [(s.completion_tokens - 1) / (s.end - s.first) for s in ok if s.first and s.end > s.first]
@@ -283,6 +328,22 @@ async def main() -> None:
     # count; a length-finished one must have exactly max_tokens.
     summary.update(big)
     summary["bad_counts"] = sum(1 for s in ok if s.finish_reason == "length" and s.completion_tokens != a.max_tokens)
+    # Every request sent is counted once by the server: finished (any reason) or rejected before running.
+    sent = len(samples) + len(dropped) + len(poisoned)
+    counted = d.get("selfdraft_requests_total", 0) + d.get("selfdraft_rejected_requests_total", 0)
+    reasons = {k.split("finish_reason=")[1].rstrip("}"): v for k, v in d.items()
+               if k.startswith("selfdraft_requests_total{") and v}
+    server_errors = reasons.get("error", 0) + sum(v for k, v in d.items()
+                                                  if k.startswith("selfdraft_rejected_requests_total{status=5") and v)
+    summary.update(requests_sent=sent, requests_counted=counted, uncounted=sent - counted, server_finish_reasons=reasons,
+                   server_errors=server_errors, dropped_streams=len(dropped),
+                   dropped_failed=sum(not s.ok for s in dropped),
+                   kinds={k: sum(s.kind == k for s in samples) for k in ("stream", "nonstream")})
+    if rss_trend:
+        warm = [mb for t, mb in rss_trend if t >= min(300.0, rss_trend[-1][0] / 3)]  # after warm-up
+        summary.update(rss_mb_start=rss_trend[0][1], rss_mb_after_warmup=warm[0] if warm else None,
+                       rss_mb_end=rss_trend[-1][1], rss_mb_max_after_warmup=max(warm) if warm else None,
+                       rss_growth_after_warmup=(rss_trend[-1][1] / warm[0] - 1) if warm else None, rss_trend=rss_trend)
     if poisoned:
         by: dict[str, dict] = {}
         for x in poisoned:
@@ -318,7 +379,7 @@ async def main() -> None:
     print(json.dumps(summary, indent=2))
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps({"summary": summary, "samples": [asdict(s) for s in samples]}, indent=1) + "\n")
+        a.out.write_text(json.dumps({"summary": summary, "samples": [asdict(s) for s in samples + dropped]}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -659,6 +659,10 @@ def test_a_cancelled_request_frees_its_slot_at_once(target):
         runner.submit(spec, loop)  # admitted: no 429
         runner.cancel(a)  # a second cancel gives nothing back twice
         assert runner.in_flight == 2
+        runner._take_inbox(block=False)  # the engine thread's next look at its inbox: a never joined the batch
+        counted = {tuple(x.labels.values()): x.value for f in text_string_to_metric_families(runner.metrics.render().decode())
+                   for x in f.samples if x.name == "selfdraft_requests_total"}
+        assert counted == {(spec.endpoint, "cancelled"): 1.0}  # counted once, though it never ran
     finally:
         loop.close()
 

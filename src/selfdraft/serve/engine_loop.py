@@ -234,7 +234,8 @@ class EngineLoop:
                 return
 
     def _add(self, h: Handle) -> None:
-        if h.released:  # cancelled before it reached the engine
+        if h.released:  # cancelled before it reached the engine: it still counts, as cancelled
+            self.metrics.requests.labels(h.spec.endpoint, "cancelled").inc()
             return
         try:
             rid = self.engine.add_request(h.spec.prompt_ids, self.make_drafter(), h.spec.params, h.spec.config)
