@@ -460,3 +460,26 @@ def test_dspark_stops_drafting_where_the_scheduler_stops_and_stays_exact(target)
                        scheduler=sched)
         assert res.token_ids == plain.token_ids
     assert len(seen) >= 2  # the tables chose different ℓ: the cut is exercised, not only "all" or "none"
+
+
+def test_hybrid_over_dspark_drafts_batched_in_the_engine_and_stays_exact(target, monkeypatch):
+    """hybrid:DSpark in the batched engine: the requests whose rule asks the trained drafter share
+    ONE DSpark pass per step (propose_many over several rows), and every output equals plain greedy."""
+    from selfdraft.drafters.hybrid import HybridDrafter
+    from selfdraft.engine import Engine
+    from selfdraft.methods.suffix.drafter import SuffixDrafter
+    from selfdraft.scheduler import Scheduler
+
+    model, cfg = make("dspark", target, gamma=4, markov_rank=8)
+    dspark = STRATEGIES["dspark"].drafter(model, cfg, target)
+    rows, real = [], type(dspark).propose_many
+    monkeypatch.setattr(type(dspark), "propose_many", staticmethod(lambda d, *a, **kw: rows.append(len(d)) or real(d, *a, **kw)))
+    prompts = [[5, 17, 3, 42, 8, 8, 61], [9, 9, 2, 40], [7, 1, 7, 1, 7, 1, 3], [60, 2, 33]]
+    gen = GenerationConfig(max_new_tokens=16, gamma=4)
+    plain = [generate(target, NoDrafter(target), p, SamplingParams(), gen).token_ids for p in prompts]
+    h = HybridDrafter(dspark, SuffixDrafter(), "cost")
+    eng = Engine(target, Scheduler("fixed"), max_concurrency=4)
+    ids = [eng.add_request(p, h.fresh(), SamplingParams(), gen) for p in prompts]
+    res = eng.run()
+    assert [res[i].token_ids for i in ids] == plain
+    assert max(rows) > 1  # batched, not one request at a time

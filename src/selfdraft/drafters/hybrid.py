@@ -79,35 +79,63 @@ class HybridDrafter(Drafter):
     def propose_until(self, tokens, gamma, params, generator, admission: Admission | None) -> Proposal:
         """1. the suffix draft (cut by the scheduler's rule, its pass free); 2. the rule decides whether
         the trained drafter runs (cut by the rule with its own pass time); 3. the better proposal."""
+        sp, chosen = self._decide(tokens, gamma, admission)
+        if chosen is not None:
+            return chosen
+        t0 = time.perf_counter()
+        neural_admission = None if self.rule == "merged" else _fresh(admission, self.neural_s)
+        p = self.neural.propose_until(tokens, gamma, params, generator, neural_admission)
+        return self._with_neural(sp, p, time.perf_counter() - t0)
+
+    def batch_key(self) -> object | None:
+        key = self.neural.batch_key()  # hybrids over one loaded drafter: their trained passes run batched
+        return None if key is None else ("hybrid", self.rule, key)
+
+    @staticmethod
+    def propose_many(drafters, tokens, gammas, params, generators) -> list[Proposal]:
+        """R rounds (the batched engine): each hybrid decides from its own suffix draft, as in
+        `propose`; the trained drafters asked to draft then run in ONE batched pass."""
+        decided = [d._decide(t, g, None) for d, t, g in zip(drafters, tokens, gammas)]
+        out = [chosen for _, chosen in decided]
+        ask = [r for r, p in enumerate(out) if p is None]
+        if ask:
+            pick = lambda xs: [xs[r] for r in ask]  # noqa: E731
+            t0 = time.perf_counter()
+            neural = type(drafters[ask[0]].neural).propose_many(
+                [drafters[r].neural for r in ask], pick(tokens), pick(gammas), pick(params), pick(generators))
+            dt = (time.perf_counter() - t0) / len(ask)  # each request's share of the pass
+            for r, p in zip(ask, neural):
+                out[r] = drafters[r]._with_neural(decided[r][0], p, dt)
+        return out
+
+    def _decide(self, tokens, gamma, admission: Admission | None) -> tuple[Proposal, Proposal | None]:
+        """(the suffix proposal, the round's proposal if the rule settles it without the trained
+        drafter, else None). Reads only what is known before the trained drafter drafts."""
         self.neural.prompt_len = self.suffix.prompt_len = self.prompt_len
         s = self.suffix.draft(tokens, gamma)
-        if self.rule == "merged":
-            return merge_chains(s.proposal(), self._neural(tokens, gamma, params, generator, None))
         sp = s.proposal()
+        if self.rule == "merged":
+            return sp, None
         if admission is not None and len(sp.tokens):
             sp = sp.truncate(_fresh(admission, 0.0).count(sp.confidences))
         if self.rule in ("arctic", "sam"):
             use_suffix = s.score >= gamma if self.rule == "arctic" else s.match_len >= SAM_MIN_MATCH
-            if use_suffix and len(sp.tokens):
-                return self._pick("suffix", sp)
-            return self._pick("neural", self._neural(tokens, gamma, params, generator, _fresh(admission, self.neural_s)))
+            return sp, self._pick("suffix", sp) if use_suffix and len(sp.tokens) else None
         # cost: (1 + Σ a_j) per second of the round. The trained drafter's value is what its recent
         # rounds were worth: its drafts of this round are not looked at, since choosing them for what
         # they turned out to be would condition x_1 on c_2.. (the bias of the paper's Appendix A).
         cost = None if admission is None else (admission.cost or admission.sps)
         if len(sp.tokens) and self._value(sp, 0.0, cost) >= self._predicted(cost):
-            return self._pick("suffix", sp)
-        return self._pick("neural", self._neural(tokens, gamma, params, generator, _fresh(admission, self.neural_s)))
+            return sp, self._pick("suffix", sp)
+        return sp, None
 
-    def _neural(self, tokens, gamma, params, generator, admission) -> Proposal:
-        t0 = time.perf_counter()
-        p = self.neural.propose_until(tokens, gamma, params, generator, admission)
-        dt = time.perf_counter() - t0
+    def _with_neural(self, sp: Proposal, p: Proposal, dt: float) -> Proposal:
+        """The round's proposal once the trained drafter drafted p in dt seconds (its EMAs updated)."""
         e = _expected_tokens(p)
         ema = lambda old, new: new if not old else 0.8 * old + 0.2 * new  # noqa: E731
         self.neural_s, self.neural_value, self.neural_n = ema(self.neural_s, dt), ema(self.neural_value, e), \
             ema(self.neural_n, float(len(p.tokens)))
-        return p
+        return merge_chains(sp, p) if self.rule == "merged" else self._pick("neural", p)
 
     def _value(self, p: Proposal, draft_s: float, cost) -> float:
         """Expected tokens of the round (1 + Σ a_j), per second of it when a cost table is known."""
