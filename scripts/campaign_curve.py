@@ -1,6 +1,11 @@
 """The campaign's curve: val acc@1..γ and loss against the fresh tokens seen (PNG + Markdown table).
 
     python scripts/campaign_curve.py work/campaign/dspark --baseline work/baseline-val --out docs/bench/campaign
+    python scripts/campaign_curve.py --families work/families --out docs/bench/families
+
+--families: one run per method in DIR/METHOD, trained on the same tokens in the same order. Within one
+epoch every training batch is new to the model when its step logs its accuracies, so windows of train
+steps are held-out measurements (progressive validation): a curve per family without extra passes.
 """
 
 from __future__ import annotations
@@ -21,12 +26,70 @@ def val_points(run: Path) -> list[dict]:
     return out
 
 
+def train_windows(run: Path, window: int) -> list[dict]:
+    """[{tokens, acc: [..]}]: mean train acc@k over consecutive steps of >= `window` tokens (the batch's
+    accuracy before its update), tokens = the end of the window."""
+    log = [json.loads(x) for x in (run / "train_log.jsonl").read_text().splitlines() if x.strip()]
+    steps = [x for x in log if x["kind"] == "train"]
+    out, cur, start = [], [], 0
+    for x in steps:
+        cur.append(x)
+        if x["tokens"] - start >= window or x is steps[-1]:
+            keys = sorted((k for k in cur[0]["metrics"] if k.startswith("acc@")), key=lambda k: int(k[4:]))
+            out.append({"tokens": x["tokens"], "acc": [sum(c["metrics"][k] for c in cur) / len(cur) for k in keys]})
+            cur, start = [], x["tokens"]
+    return out
+
+
+def families(root: Path, out: Path, window: int) -> None:
+    runs = sorted(d for d in root.iterdir() if (d / "train_log.jsonl").exists())
+    curves = {d.name: train_windows(d, window) for d in runs}
+    finals = {d.name: (val_points(d) or [None])[-1] for d in runs}
+    k = max(len(c[-1]["acc"]) for c in curves.values())
+    head = " | ".join(f"acc@{i}" for i in range(1, k + 1))
+    rows = [f"| family | tokens | last window: {head} | val: acc@1 | val acc@k mean |", "|---|---:|" + "---:|" * (k + 2)]
+    for name, c in curves.items():
+        acc = c[-1]["acc"] + [float("nan")] * (k - len(c[-1]["acc"]))
+        v = finals[name]
+        rows.append(f"| {name} | {c[-1]['tokens']:,} | " + " | ".join(f"{a:.3f}" for a in acc)
+                    + (f" | {v['acc'][0]:.3f} | {sum(v['acc']) / len(v['acc']):.3f} |" if v else " | – | – |"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "curve.md").write_text("\n".join(rows) + "\n")
+    (out / "curve.json").write_text(json.dumps({"windows": curves, "final_val": finals}, indent=1))
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, c in curves.items():
+        a1.plot([p["tokens"] / 1e3 for p in c], [p["acc"][0] for p in c], "-", label=name)
+        a2.plot(range(1, len(c[-1]["acc"]) + 1), c[-1]["acc"], "o-", label=name)
+    a1.set_xlabel("fresh sequence tokens (k)")
+    a1.set_ylabel(f"acc@1 (held-out: windows of {window:,} tokens)")
+    a2.set_xlabel("draft position k")
+    a2.set_ylabel("acc@k, last window")
+    a1.legend(fontsize=8)
+    a2.legend(fontsize=8)
+    fig.suptitle(f"four families, same tokens in the same order ({root.name})")
+    fig.tight_layout()
+    fig.savefig(out / "curve.png", dpi=110)
+    print("\n".join(rows))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("run", type=Path)
+    ap.add_argument("run", type=Path, nargs="?")
+    ap.add_argument("--families", type=Path, help="DIR/METHOD runs on the same data: one curve per family")
+    ap.add_argument("--window", type=int, default=10_000, help="--families: tokens per point")
     ap.add_argument("--baseline", type=Path, help="a 1-step, lr ~0 run from the warm-start checkpoint: its val = tokens 0")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
+    if args.families:
+        return families(args.families, args.out, args.window)
+    if args.run is None:
+        ap.error("give a run directory, or --families DIR")
     points = val_points(args.run)
     if args.baseline:
         base = val_points(args.baseline)[-1]
