@@ -76,10 +76,8 @@ train() {
   [ -d "$DEV/init" ] && args+=(--init-from "$DEV/init")
   local t1=$SECONDS
   "$py" -m selfdraft "${args[@]}" --token-budget "${PROBE_TOKENS:-$(( ${BATCH:-32} * 300 * 30 ))}" > "$out/probe.log" 2>&1
-  local rate
-  rate=$("$py" -c "import json, sys; L = [json.loads(l) for l in open(sys.argv[1]) if '\"train\"' in l]; L = L[len(L) // 4:]; print(int(sum(r['tokens_per_s'] for r in L) / len(L)))" "$ckpt/train_log.jsonl")
-  local done_tokens
-  done_tokens=$("$py" -c "import json, sys; print([json.loads(l) for l in open(sys.argv[1]) if '\"train\"' in l][-1]['tokens'])" "$ckpt/train_log.jsonl")
+  local rate done_tokens  # from the probe's log: mean seq tok/s of its last 3/4 steps, and tokens trained
+  read -r rate done_tokens < <("$py" -c "import json, sys; L = [json.loads(l) for l in open(sys.argv[1]) if '\"train\"' in l]; W = L[len(L) // 4:]; print(int(sum(r['tokens_per_s'] for r in W) / len(W)), L[-1]['tokens'])" "$ckpt/train_log.jsonl")
   local left=$(( ${TRAIN_S:-420} - (SECONDS - t1) ))
   local budget=$(( done_tokens + rate * (left > 0 ? left : 0) * 9 / 10 ))
   say "probe: $done_tokens tokens, ~$rate seq tok/s; budget $budget tokens for the ${TRAIN_S:-420} s"

@@ -17,8 +17,7 @@ BLOCK=(--feature-layers 1,8,14,20,27 --qk-norm --layers 1 --random-init --anchor
        --loss-vocab-size 16384 --mask-token-id 16)
 for METHOD in ${METHODS:-dspark dflash eagle3 mtp}; do
   case $METHOD in
-    dspark) ARGS=("${BLOCK[@]}") ;;
-    dflash) ARGS=("${BLOCK[@]}") ;;
+    dspark|dflash) ARGS=("${BLOCK[@]}") ;;
     eagle3) ARGS=(--draft-vocab-size 16384) ;;
     mtp)    ARGS=(--qk-norm) ;;
     *) echo "error: unknown method $METHOD (dspark | dflash | eagle3 | mtp)" >&2; exit 2 ;;

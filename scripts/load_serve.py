@@ -331,8 +331,11 @@ async def main() -> None:
     # Every request sent is counted once by the server: finished (any reason) or rejected before running.
     sent = len(samples) + len(dropped) + len(poisoned)
     counted = d.get("selfdraft_requests_total", 0) + d.get("selfdraft_rejected_requests_total", 0)
-    reasons = {k.split("finish_reason=")[1].rstrip("}"): v for k, v in d.items()
-               if k.startswith("selfdraft_requests_total{") and v}
+    reasons: dict[str, float] = {}
+    for k, v in d.items():  # summed over endpoints
+        if k.startswith("selfdraft_requests_total{") and v:
+            reason = k.split("finish_reason=")[1].split(",")[0].rstrip("}")
+            reasons[reason] = reasons.get(reason, 0.0) + v
     server_errors = reasons.get("error", 0) + sum(v for k, v in d.items()
                                                   if k.startswith("selfdraft_rejected_requests_total{status=5") and v)
     summary.update(requests_sent=sent, requests_counted=counted, uncounted=sent - counted, server_finish_reasons=reasons,

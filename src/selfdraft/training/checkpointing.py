@@ -41,7 +41,6 @@ TRAJECTORY_KEYS = (
 )  # fmt: skip
 
 
-
 @dataclass
 class StepLog:
     step: int  # optimizer steps done, counting this one
@@ -78,7 +77,6 @@ class DataCursor:
             if self.index >= n_items:
                 self.epoch, self.index = self.epoch + 1, 0
         return out
-
 
 
 @dataclass
@@ -174,7 +172,6 @@ def save(run: RunState, out_dir: Path, target: Target, cfg: DrafterConfig, train
     dist.barrier()
 
 
-
 def check_resumable(out_dir: Path, target: Target, cfg: DrafterConfig, train_cfg: TrainConfig, n_train: int) -> dict:
     """Load trainer_state.pt after checking the checkpoint continues *this* run; say how to proceed if not."""
     meta = read_config(out_dir)
@@ -213,7 +210,6 @@ def _read_log(path: Path, upto: int) -> tuple[list[StepLog], list[ValLog]]:
             elif rec["step"] <= upto:
                 val.append(ValLog(**rec))
     return history, val
-
 
 
 class _StateView:

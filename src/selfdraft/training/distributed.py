@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +21,9 @@ from selfdraft.config import ConfigError, DrafterConfig, TrainConfig
 from selfdraft.target import Target
 from selfdraft.training.optim import make_optimizer
 from selfdraft.training.strategy import Batch, LossOutput, Strategy
+
+if TYPE_CHECKING:
+    from selfdraft.training.checkpointing import RunState
 
 
 def bind_local_gpu() -> int:
@@ -110,7 +114,7 @@ class Distributed:
         b = len(idx) // self.world
         return idx[self.rank * b : (self.rank + 1) * b]
 
-    def attach(self, run, strategy: Strategy, target: Target, cfg: DrafterConfig, train_cfg: TrainConfig) -> torch.nn.Module:
+    def attach(self, run: "RunState", strategy: Strategy, target: Target, cfg: DrafterConfig, train_cfg: TrainConfig) -> torch.nn.Module:
         """Wrap the run's drafter (-> the module whose forward computes the loss: DDP / FSDP / plain) and
         give `run` the optimizer that matches it, with a resumed run's saved state loaded."""
         wrapped = self.wrap(run.model, strategy, target, cfg)

@@ -266,10 +266,9 @@ def _finished(run: RunState, train_cfg: TrainConfig) -> bool:
 
 def _progress_bar(run: RunState, train_cfg: TrainConfig, method: str, dist: Distributed):
     """Counts what ends the run: tokens when there is a token budget (it usually stops a run before `steps`)."""
-    if train_cfg.token_budget:
-        return progress_bar(total=train_cfg.token_budget, initial=min(run.tokens, train_cfg.token_budget), unit="tok",
-                            desc=f"train {method}", disable=dist.rank != 0)
-    return progress_bar(total=train_cfg.steps, initial=run.step, unit="step", desc=f"train {method}", disable=dist.rank != 0)
+    budget = train_cfg.token_budget
+    total, initial, unit = (budget, min(run.tokens, budget), "tok") if budget else (train_cfg.steps, run.step, "step")
+    return progress_bar(total=total, initial=initial, unit=unit, desc=f"train {method}", disable=dist.rank != 0)
 
 
 # ------------------------------------------------------------------ helpers
