@@ -377,6 +377,33 @@ def test_draft_vocabulary_loss_equals_full_vocabulary_loss(target, cached_lse):
     assert abs(out.metrics["ce"] - sums["ce"] / sums["ce_w"]) < 1e-4
 
 
+@pytest.mark.parametrize("vocab", [False, True])
+def test_argmax_label_trains_on_the_targets_greedy_token(target, vocab):
+    """ce_label="argmax": the CE label is argmax p_t (read where p_t for draft k lives), not the data's
+    token; accuracy stays against the data. Random-token data, so the two labels differ (the control)."""
+    ids = torch.arange(0, V, 2)
+    make_one = (lambda **kw: _vocab_model(target, ids, **kw)) if vocab else (
+        lambda **kw: make("dspark", target, gamma=3, markov_rank=8, anchors_per_seq=4, **kw))
+    model, cfg = make_one(ce_label="argmax")
+    _, cfg_data = make_one()
+    batch = make_batch(target)
+    out = STRATEGIES["dspark"].loss(model, batch, target, cfg, torch.Generator().manual_seed(7))
+    data = STRATEGIES["dspark"].loss(model, batch, target, cfg_data, torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        tf = teacher_forced_blocks(model, batch, target, cfg, torch.Generator().manual_seed(7))
+    inside = torch.zeros(V, dtype=torch.bool)
+    inside[ids if vocab else torch.arange(V)] = True
+    ce = w_sum = 0.0
+    for w, logits, p_t, _, _ in replay_positions(model, target, batch, tf, cfg):
+        label = int(p_t.argmax())
+        if inside[label]:
+            ce += w * -math.log(torch.softmax(logits.masked_fill(~inside, float("-inf")), -1)[label].item())
+            w_sum += w
+    assert abs(out.metrics["ce"] - ce / w_sum) < 1e-4
+    assert abs(data.metrics["ce"] - out.metrics["ce"]) > 1e-2  # the data label gives another loss
+    assert out.metrics["acc@1"] == data.metrics["acc@1"] and out.metrics["tv"] == data.metrics["tv"]
+
+
 def test_draft_vocabulary_loss_with_all_tokens_equals_the_full_path(target):
     """V' = V: the draft-vocabulary path and the full-vocabulary path give the same loss and metrics."""
     batch = make_batch(target, regenerate=True)

@@ -61,6 +61,17 @@ def accuracy_at_k(pred: torch.Tensor, gold: torch.Tensor, k_idx: torch.Tensor, g
 
 # ------------------------------------------------------------------ losses over a draft vocabulary V'
 @torch.no_grad()
+def target_argmax(target: Target, last_hidden: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """[..., H] final target hidden states -> [...] int64 argmax_v p_t(v): the token greedy decoding emits
+    (the label of `ce_label="argmax"`; computed in chunks, never stored per token)."""
+    flat = last_hidden.reshape(-1, last_hidden.shape[-1])
+    w_dtype = target.model.get_output_embeddings().weight.dtype
+    parts = [target.lm_head(h.to(w_dtype)).argmax(-1) for h in flat.split(chunk)]
+    out = torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.long)
+    return out.view(last_hidden.shape[:-1])
+
+
+@torch.no_grad()
 def target_lse(target: Target, last_hidden: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     """[..., H] final target hidden states -> [...] float32 log Σ_v exp(z_v) over the FULL vocabulary.
 

@@ -35,6 +35,7 @@ class Batch:
     features: torch.Tensor  # [B, T, n_feat, H] outputs of cfg.feature_layers
     last_hidden: torch.Tensor  # [B, T, H] final hidden state; p_t = target.lm_head(last_hidden)
     lse: torch.Tensor | None = None  # [B, T] float32 log-partition of p_t over the full vocabulary (cached), or None
+    argmax: torch.Tensor | None = None  # [B, T] int64 argmax of p_t, computed on first use
 
     def target_lse(self, target: "Target") -> torch.Tensor:
         """[B, T] the cached log-partition of p_t, or computed now (one full LM-head pass, no grad)."""
@@ -43,6 +44,14 @@ class Batch:
 
             self.lse = target_lse(target, self.last_hidden)
         return self.lse
+
+    def target_argmax(self, target: "Target") -> torch.Tensor:
+        """[B, T] argmax of p_t at every position (the target's greedy next token), computed once."""
+        if self.argmax is None:
+            from selfdraft.training.objectives import target_argmax
+
+            self.argmax = target_argmax(target, self.last_hidden)
+        return self.argmax
 
 
 @dataclass

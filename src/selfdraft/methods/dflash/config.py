@@ -24,6 +24,10 @@ class DFlashConfig(DrafterConfig):
     # Train (and draft) over the N most frequent answer tokens of the training data; the losses compare
     # against p_t restricted to them plus one bucket for the rest (still a true distance). 0 = all.
     loss_vocab_size: int = knob(0, "train and draft over the N most frequent answer tokens (0 = all)")
+    # The cross-entropy label. "data": the sequence's next token (sampled at T > 0 when the target wrote
+    # it, or another model's on original answers); "argmax": the target's greedy token argmax p_t, what
+    # greedy verification accepts (a training-only knob: inference never reads it).
+    ce_label: str = knob("data", "cross-entropy label: data (the next token) | argmax (the target's greedy token)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -32,5 +36,7 @@ class DFlashConfig(DrafterConfig):
         if self.mask_token_id < -1 or self.loss_vocab_size < 0:
             raise ConfigError(f"mask_token_id >= -1 and loss_vocab_size >= 0 are required "
                               f"(got {self.mask_token_id}, {self.loss_vocab_size})")
+        if self.ce_label not in ("data", "argmax"):
+            raise ConfigError(f"ce_label must be data or argmax, got {self.ce_label!r}")
         if self.loss_decay <= 0 or self.anchors_per_seq < 1:
             raise ConfigError("loss_decay > 0 and anchors_per_seq >= 1 are required")

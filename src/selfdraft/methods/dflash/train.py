@@ -55,16 +55,21 @@ class TeacherForced:
 
 
 def draft_losses(
-    model: DFlashModel, target: Target, batch: Batch, tf: TeacherForced, bias: torch.Tensor | None, with_l1: bool
+    model: DFlashModel, target: Target, batch: Batch, tf: TeacherForced, bias: torch.Tensor | None, with_l1: bool,
+    ce_label: str = "data",
 ) -> VocabLoss:
     """Draft logits U_k (+ bias B_k) at the N valid positions and their losses against p_t.
+
+    ce_label: the cross-entropy's label, the data's next token ("data") or the target's greedy token
+    argmax p_t read at t+k-1 ("argmax"); `pred` is compared with the data's tokens by the callers.
 
     bias: [N, V] (full vocabulary) or the low-rank factors' product computed by the caller, None for
     DFlash. Over a draft vocabulary (model.draft_ids) only V' logits are formed (objectives.vocab_losses);
     otherwise the full [N, V] distributions, as in the papers.
     """
     h = tf.h[tf.valid]  # [N, H]
-    gold = tf.gold[tf.valid]  # [N]
+    gold = tf.gold[tf.valid]  # [N] the data's tokens (accuracy is always measured against them)
+    label = tf.target_rows(batch.target_argmax(target)) if ce_label == "argmax" else gold  # [N] CE label
     ids = model.draft_ids
     if ids is not None:
         rows = target.model.get_output_embeddings().weight[ids].detach()  # [V', H] frozen
@@ -73,11 +78,11 @@ def draft_losses(
         t2d[ids] = torch.arange(ids.numel(), device=ids.device)
         h_t = tf.target_rows(batch.last_hidden) if with_l1 else None
         lse = tf.target_rows(batch.target_lse(target)) if with_l1 else None
-        return vocab_losses(logits, rows, ids, t2d, h_t, lse, gold)
+        return vocab_losses(logits, rows, ids, t2d, h_t, lse, label)
     logits = lm_logits(target, h) + (0 if bias is None else bias)  # [N, V]
     logp = torch.log_softmax(logits, dim=-1)
     l1 = l1_distance(logp.exp(), target_probs(target, tf.target_rows(batch.last_hidden))) if with_l1 else None
-    ce = -logp.gather(1, gold[:, None]).squeeze(1)
+    ce = -logp.gather(1, label[:, None]).squeeze(1)
     return VocabLoss(l1=l1, ce=ce, ce_rows=torch.ones_like(gold, dtype=torch.bool), pred=logits.argmax(-1))
 
 
@@ -119,7 +124,7 @@ class DFlashStrategy(Strategy):
     def loss(self, model, batch: Batch, target: Target, cfg: DFlashConfig, generator) -> LossOutput:
         tf = teacher_forced_blocks(model, batch, target, cfg, generator)
         k_idx, gold = tf.k_idx(), tf.gold[tf.valid]  # [N], [N]
-        d = draft_losses(model, target, batch, tf, None, with_l1=False)  # U_k over V (or V')
+        d = draft_losses(model, target, batch, tf, None, with_l1=False, ce_label=cfg.ce_label)  # U_k over V (or V')
         w = position_weights(cfg.gamma, cfg.loss_decay, gold.device)
         ce = weighted_mean(d.ce, k_idx[d.ce_rows], w)
         metrics = {"ce": ce.item(), **accuracy_at_k(d.pred, gold, k_idx, cfg.gamma)}

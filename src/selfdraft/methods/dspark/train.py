@@ -28,7 +28,7 @@ class DSparkStrategy(DFlashStrategy):
         if heads.e is not None:
             W2 = model.markov.W2.weight if model.draft_ids is None else model.markov.W2.weight[model.draft_ids]
             bias = F.linear(heads.e[sel], W2).float()  # [N, V or V']
-        d = draft_losses(model, target, batch, tf, bias, with_l1=True)
+        d = draft_losses(model, target, batch, tf, bias, with_l1=True, ce_label=cfg.ce_label)
         # 3. The three position-weighted parts.
         w = position_weights(cfg.gamma, cfg.loss_decay, gold.device)
         l_ce = weighted_mean(d.ce, k_idx[d.ce_rows], w)
