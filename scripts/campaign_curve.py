@@ -1,6 +1,8 @@
 """The campaign's curve: val acc@1..γ and loss against the fresh tokens seen (PNG + Markdown table).
 
     python scripts/campaign_curve.py work/campaign/dspark --baseline work/baseline-val --out docs/bench/campaign
+    python scripts/campaign_curve.py SEG1 SEG2 ... --out docs/bench/campaign   (segments in order, each warm-started
+                                                                             from the one before: tokens add up)
     python scripts/campaign_curve.py --families work/families --out docs/bench/families
 
 --families: one run per method in DIR/METHOD, trained on the same tokens in the same order. Within one
@@ -24,6 +26,12 @@ def val_points(run: Path) -> list[dict]:
         accs = [v["metrics"][k] for k in sorted((k for k in v["metrics"] if k.startswith("acc@")), key=lambda k: int(k[4:]))]
         out.append({"tokens": tokens.get(v["step"], 0), "step": v["step"], "loss": v["loss"], "acc": accs})
     return out
+
+
+def last_tokens(run: Path) -> int:
+    """Sequence tokens the run had trained on at its last logged step."""
+    log = [json.loads(x) for x in (run / "train_log.jsonl").read_text().splitlines() if x.strip()]
+    return max((x["tokens"] for x in log if x["kind"] == "train"), default=0)
 
 
 def train_windows(run: Path, window: int) -> list[dict]:
@@ -80,7 +88,7 @@ def families(root: Path, out: Path, window: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("run", type=Path, nargs="?")
+    ap.add_argument("runs", type=Path, nargs="*", help="the campaign's runs (segments), in order")
     ap.add_argument("--families", type=Path, help="DIR/METHOD runs on the same data: one curve per family")
     ap.add_argument("--window", type=int, default=10_000, help="--families: tokens per point")
     ap.add_argument("--baseline", type=Path, help="a 1-step, lr ~0 run from the warm-start checkpoint: its val = tokens 0")
@@ -88,18 +96,22 @@ def main() -> None:
     args = ap.parse_args()
     if args.families:
         return families(args.families, args.out, args.window)
-    if args.run is None:
+    if not args.runs:
         ap.error("give a run directory, or --families DIR")
-    points = val_points(args.run)
+    points, offset = [], 0
+    for seg, run in enumerate(args.runs):
+        seg_points = [dict(p, tokens=p["tokens"] + offset, segment=seg) for p in val_points(run)]
+        points += seg_points
+        offset += last_tokens(run)
     if args.baseline:
         base = val_points(args.baseline)[-1]
         points = [dict(base, tokens=0, step=0)] + points
     args.out.mkdir(parents=True, exist_ok=True)
     k = len(points[-1]["acc"])
-    rows = ["| fresh tokens | step | val loss | " + " | ".join(f"acc@{i}" for i in range(1, k + 1)) + " |",
-            "|---:|---:|---:|" + "---:|" * k]
-    rows += [f"| {p['tokens']:,} | {p['step']} | {p['loss']:.4f} | " + " | ".join(f"{a:.3f}" for a in p["acc"]) + " |"
-             for p in points]
+    rows = ["| fresh tokens | segment | step | val loss | " + " | ".join(f"acc@{i}" for i in range(1, k + 1)) + " |",
+            "|---:|---:|---:|---:|" + "---:|" * k]
+    rows += [f"| {p['tokens']:,} | {p.get('segment', '–')} | {p['step']} | {p['loss']:.4f} | "
+             + " | ".join(f"{a:.3f}" for a in p["acc"]) + " |" for p in points]
     (args.out / "curve.md").write_text("\n".join(rows) + "\n")
     (args.out / "curve.json").write_text(json.dumps(points, indent=1))
 
@@ -117,8 +129,12 @@ def main() -> None:
     a1.legend(ncol=2, fontsize=8)
     a2.plot(xs, [p["loss"] for p in points], "o-", ms=3)
     a2.set_xlabel("fresh sequence tokens (M)")
-    a2.set_ylabel("val loss")
-    fig.suptitle(f"{args.run.name}: the campaign on fresh data (0 = the warm-start checkpoint)")
+    for p in points[1:]:
+        if p.get("segment", 0) != points[points.index(p) - 1].get("segment", 0):  # a new segment: a fresh warm start
+            for a in (a1, a2):
+                a.axvline(p["tokens"] / 1e6, color="grey", lw=0.6, ls=":")
+    a2.set_ylabel("val loss (per segment: its CE label may differ)")
+    fig.suptitle(f"the DSpark campaign on fresh data, {len(args.runs)} segment(s) (0 = the warm-start checkpoint)")
     fig.tight_layout()
     fig.savefig(args.out / "curve.png", dpi=110)
     print("\n".join(rows))

@@ -1,19 +1,21 @@
-"""The next campaign segment's data: what a checkpoint has NOT trained on yet, plus more sources.
+"""The campaign's data: a ledger of every record its weights trained on, and segments of what is left.
 
-A campaign checkpoint trained `steps` optimizer steps on its data in the trainer's seeded order
-(training/checkpointing.py DataCursor), so the sequences it saw are known exactly from its provenance:
-seed, steps, batch size, gradient accumulation, world size. This writes a new dataset directory with
+The campaign never trains on a token twice while fresh ones exist. Its committed weights carry a
+ledger (`ledger.json` beside them: the "source:id" of every training record they drew, over all
+segments), so any machine can build the next segment from the same sources without the old runs:
 
-  - the validation records of the checkpoint's data, first (the campaign's val curve stays comparable),
-  - its train records the checkpoint never drew (fresh tokens; none if it went past one epoch),
-  - every train record of each --add dataset whose prompt+answer is not already in (e.g. `data original`),
-  - the draft vocabulary of the checkpoint's data (--vocab-size), so a warm start keeps the target's
-    own frequent tokens (another model's answers would pull in tokens the target rarely emits),
+  segment  a dataset directory: the val records of the first --from (the val curve stays comparable
+           from segment to segment), then every train record of each --from that the ledger does not
+           hold (DIR:N keeps a seeded sample of N of them), and the first source's draft vocabulary
+           (--vocab-size; the target's own answers: original answers would pull in tokens it rarely emits).
+  ledger   the ledger plus the records a run drew from its segment: the trainer visits a segment in a
+           seeded order (training/checkpointing.py DataCursor), so seed, steps, batch size, gradient
+           accumulation and world size in the run's provenance say exactly which records it drew.
 
-and a manifest saying where every record came from. Nothing is written when the output exists.
-
-    python scripts/campaign_data.py --data work/data/regen-v1 --seen checkpoints/dspark-campaign \
-        --add work/data/original --add-limit 2200 --out work/data/mix-v1
+    python scripts/campaign_data.py segment --from work/data/regen-v1 --from work/data/original:2200 \\
+        --ledger checkpoints/dspark-campaign/ledger.json --out work/data/seg-x
+    python scripts/campaign_data.py ledger --run work/campaign/seg-x --ledger checkpoints/dspark-campaign/ledger.json \\
+        --out work/ledger.json
 """
 
 from __future__ import annotations
@@ -30,91 +32,103 @@ from selfdraft.training.draft_vocab import draft_vocab_of
 from selfdraft.training.records import ShardWriter, _write_json, load_records
 
 
+def key(rec: dict) -> str:
+    """A record's ledger key: ids are prompt hashes, shared by the regenerated and original answers of one prompt."""
+    return f"{rec['source']}:{rec['id']}"
+
+
 def usable(rec: dict, max_seq_len: int) -> bool:
     """The trainer's filter (trainer.load_sequences): >= 2 tokens and a supervised token after truncation."""
     ids, mask = rec["input_ids"][:max_seq_len], rec["loss_mask"][:max_seq_len]
     return len(ids) >= 2 and any(mask[1:])
 
 
-def drawn_by(ckpt: Path) -> tuple[int, int, int]:
-    """(seed, sequences drawn, max_seq_len) of a checkpoint's run, from its provenance."""
-    prov = read_config(ckpt)["provenance"]
+def read_ledger(path: Path | None) -> set[str]:
+    """The "source:id" keys of the records drawn; an absent path is an empty ledger."""
+    return set(json.loads(path.read_text())["records"]) if path and path.exists() else set()
+
+
+def drawn(run: Path, data: Path) -> tuple[list[dict], dict]:
+    """The train records of `data` the run saved in `run` drew, its data cursor replayed from its provenance."""
+    prov = read_config(run)["provenance"]
     train = prov["train"]
-    return train["seed"], prov["steps"] * train["batch_size"] * train["grad_accum"] * prov.get("world_size", 1), train["max_seq_len"]
-
-
-def seen_ids(data: Path, seed: int, drawn: int, max_seq_len: int = 512) -> tuple[set[str], dict]:
-    """Ids of the first `drawn` train records a run with `seed` draws from `data` (its data cursor replayed)."""
-    seqs = [r["id"] for r in load_records(data, "train") if usable(r, max_seq_len)]
+    seqs = [r for r in load_records(data, "train") if usable(r, train["max_seq_len"])]
+    n = prov["steps"] * train["batch_size"] * train["grad_accum"] * prov.get("world_size", 1)
     cursor = DataCursor()
-    idx = cursor.take(len(seqs), drawn, seed)
-    info = {"seed": seed, "sequences_drawn": drawn, "max_seq_len": max_seq_len, "epochs": drawn / len(seqs),
-            "cursor": [cursor.epoch, cursor.index]}
-    return {seqs[i] for i in idx}, info
+    idx = cursor.take(len(seqs), n, train["seed"])
+    if cursor.epoch:
+        print(f"warning: {run} went past one epoch of {data}: some records were drawn twice", file=sys.stderr)
+    info = {"run": str(run), "data": str(data), "seed": train["seed"], "steps": prov["steps"], "drawn": n,
+            "tokens": prov["tokens"], "cursor": [cursor.epoch, cursor.index]}
+    return [seqs[i] for i in dict.fromkeys(idx)], info
+
+
+def segment(args) -> int:
+    if args.out.exists():
+        print(f"error: {args.out} exists; pick a new --out (a segment's data never changes under a run)", file=sys.stderr)
+        return 2
+    ledger = read_ledger(args.ledger)
+    sources = [(Path(d), int(n)) for d, _, n in (s.partition(":") if ":" in s else (s, "", "0") for s in args.sources)]
+    val = load_records(sources[0][0], "val")
+    rows, seen, summary = list(val), set(ledger), []
+    for src, limit in sources:
+        recs = [r for r in load_records(src, "train") if key(r) not in seen and usable(r, args.max_seq_len)]
+        recs = list({key(r): r for r in recs}.values())  # a source may repeat a record (a copied dataset)
+        if limit and len(recs) > limit:
+            recs = random.Random(0).sample(recs, limit)
+        seen |= {key(r) for r in recs}
+        rows += recs
+        summary.append({"dir": str(src), "train": len(recs), "limit": limit or None})
+    if len(rows) == len(val):
+        print(f"error: the ledger holds every train record of {[str(s) for s, _ in sources]}: add a source "
+              "(`selfdraft data regenerate` with a larger --limit, or `data original`)", file=sys.stderr)
+        return 2
+    ShardWriter(args.out).write(rows)
+    first = sources[0][0]
+    vocab = draft_vocab_of(first, args.vocab_size, json.loads((first / "manifest.json").read_text())["target"]["vocab_size"])
+    vocab.save(args.out / f"draft_vocab_{args.vocab_size}.safetensors")
+    train = [r for r in rows if r["split"] == "train"]
+    tokens = {"train": sum(len(r["input_ids"]) for r in train), "val": sum(len(r["input_ids"]) for r in val),
+              # what one epoch costs the trainer (truncated to max_seq_len): the largest fresh --token-budget
+              "epoch": sum(min(len(r["input_ids"]), args.max_seq_len) for r in train)}
+    manifest = {"kind": "campaign segment", "command": sys.argv, "ledger": str(args.ledger), "ledger_records": len(ledger),
+                "val": {"dir": str(first), "records": len(val)}, "sources": summary, "tokens": tokens,
+                "draft_vocab": {"from": str(first), "size": args.vocab_size, "coverage_of_its_answers": vocab.coverage}}
+    _write_json(args.out / "manifest.json", manifest)
+    print(json.dumps({k: manifest[k] for k in ("sources", "tokens")}))
+    return 0
+
+
+def ledger(args) -> int:
+    records = read_ledger(args.ledger)
+    data = args.data or Path(read_config(args.run)["provenance"]["data"])
+    recs, info = drawn(args.run, data)
+    new = {key(r) for r in recs} - records
+    runs = (json.loads(args.ledger.read_text())["runs"] if args.ledger and args.ledger.exists() else []) + [{**info, "new": len(new)}]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    body = {"what": "every training record the campaign's weights drew (source:id)", "runs": runs,
+            "records": sorted(records | new)}
+    args.out.write_text(json.dumps(body, separators=(",", ":")) + "\n")  # compact: it is committed beside the weights
+    print(f"{len(new)} records added ({info['drawn']} drawn by {args.run}); {len(records) + len(new)} in {args.out}")
+    return 0
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", type=Path, required=True, help="the data the campaign trained on so far")
-    seen = ap.add_mutually_exclusive_group(required=True)
-    seen.add_argument("--seen", type=Path, help="the campaign checkpoint (its provenance gives seed and sequences drawn)")
-    seen.add_argument("--drawn", help="SEED:N: the run drew N sequences in the seed's order (the manifest's replay command uses it)")
-    ap.add_argument("--add", type=Path, action="append", default=[], help="another dataset directory (repeatable)")
-    ap.add_argument("--add-limit", type=int, default=0, help="at most N train records from each --add (0 = all; a seeded sample)")
-    ap.add_argument("--vocab-size", type=int, default=16384)
-    ap.add_argument("--out", type=Path, required=True)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("segment", help="a dataset of what the ledger does not hold")
+    s.add_argument("--from", dest="sources", action="append", required=True, help="DIR or DIR:N (repeatable; the first gives val)")
+    s.add_argument("--ledger", type=Path, help="the committed weights' ledger (absent: nothing trained yet)")
+    s.add_argument("--vocab-size", type=int, default=16384)
+    s.add_argument("--max-seq-len", type=int, default=512)
+    s.add_argument("--out", type=Path, required=True)
+    g = sub.add_parser("ledger", help="a ledger plus what a run drew")
+    g.add_argument("--run", type=Path, required=True, help="a checkpoint the trainer saved (its provenance names the data)")
+    g.add_argument("--data", type=Path, help="the run's data directory (default: the one in its provenance)")
+    g.add_argument("--ledger", type=Path, help="the ledger of the weights the run started from")
+    g.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    if args.out.exists():
-        print(f"error: {args.out} exists; pick a new --out (a segment's data never changes under a run)", file=sys.stderr)
-        return 2
-    if args.seen:
-        seed, drawn, max_seq_len = drawn_by(args.seen)
-    else:
-        seed, drawn = map(int, args.drawn.split(":"))
-        max_seq_len = 512
-    data = args.data
-    seen, info = seen_ids(data, seed, drawn, max_seq_len)
-    base = load_records(data)
-    val = [r for r in base if r["split"] == "val"]
-    fresh = [r for r in base if r["split"] == "train" and r["id"] not in seen]
-    keys = {tuple(r["input_ids"]) for r in base}
-    sources = [{"dir": str(data), "val": len(val), "train_fresh": len(fresh), "train_seen_excluded": len(seen),
-                **({"checkpoint": str(args.seen)} if args.seen else {}), **info}]
-    rows = val + fresh
-    for extra in args.add:
-        recs = [r for r in load_records(extra, "train") if tuple(r["input_ids"]) not in keys]
-        if args.add_limit and len(recs) > args.add_limit:
-            recs = random.Random(0).sample(recs, args.add_limit)
-        sources.append({"dir": str(extra), "train": len(recs)})
-        rows += recs
-    writer = ShardWriter(args.out)
-    writer.write(rows)
-    vocab = draft_vocab_of(data, args.vocab_size, _vocab_size(data))
-    vocab.save(args.out / f"draft_vocab_{args.vocab_size}.safetensors")
-    tokens = {s: sum(len(r["input_ids"]) for r in rows if r["split"] == s) for s in ("train", "val")}
-    # what one epoch costs the trainer (sequences truncated to max_seq_len): the largest fresh --token-budget
-    tokens["epoch"] = sum(min(len(r["input_ids"]), max_seq_len) for r in rows if r["split"] == "train" and usable(r, max_seq_len))
-    _write_json(args.out / "manifest.json", {
-        "kind": "campaign segment", "command": sys.argv, "sources": sources, "tokens": tokens,
-        "replay": replay_command(args, seed, drawn),
-        "draft_vocab": {"from": str(data), "size": args.vocab_size, "coverage_of_its_answers": vocab.coverage},
-    })
-    print(json.dumps({"out": str(args.out), "sources": sources, "tokens": tokens}, indent=1))
-    return 0
-
-
-def replay_command(args, seed: int, drawn: int) -> str:
-    """The command that rebuilds this directory from the same inputs without the checkpoint (which a
-    later campaign commit replaces)."""
-    adds = " ".join(f"--add {a}" for a in args.add)
-    limit = f" --add-limit {args.add_limit}" if args.add_limit else ""
-    return (f"python scripts/campaign_data.py --data {args.data} --drawn {seed}:{drawn} {adds}{limit} "
-            f"--vocab-size {args.vocab_size} --out {args.out}")
-
-
-def _vocab_size(data: Path) -> int:
-    """The target's vocabulary size, from the dataset's manifest (`data regenerate` writes it)."""
-    return json.loads((data / "manifest.json").read_text())["target"]["vocab_size"]
+    return segment(args) if args.cmd == "segment" else ledger(args)
 
 
 if __name__ == "__main__":
