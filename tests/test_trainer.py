@@ -293,3 +293,35 @@ def test_train_options_are_the_config_fields(monkeypatch, tmp_path):
         assert res.exit_code == 2 and f"{field} (a {owner} option)" in res.output and "eagle3" in res.output, res.output
     res = run_cli("--out", str(tmp_path / "o"), "-m", "eagle3", "--config", '{"drafter": {"markov_rank": 64}}', "--data", "d")
     assert res.exit_code == 2 and "markov_rank (a dspark option)" in res.output, res.output  # even at its default
+
+
+def test_campaign_ledger_replays_exactly_what_the_run_drew(toy_method, tiny_target, data, tmp_path, monkeypatch):
+    """scripts/campaign_data.py: the records a run drew, replayed from its provenance (seed, steps, batch,
+    accumulation), are the ones the trainer batched; the next segment holds every other train record."""
+    import importlib.util
+    import sys
+
+    import selfdraft.training.trainer as trainer
+
+    spec = importlib.util.spec_from_file_location("campaign_data", "scripts/campaign_data.py")
+    cd = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cd)
+    seen: list[list[int]] = []
+    real = trainer.make_batch
+    monkeypatch.setattr(trainer, "make_batch", lambda seqs, *a: (seen.extend(s.input_ids for s in seqs), real(seqs, *a))[1])
+    dcfg, tcfg = cfgs(data, steps=5, batch_size=2, grad_accum=2, val_every=0, val_batches=0, seed=3)  # 20 of 24 drawn
+    train(tiny_target, dcfg, tcfg, tmp_path / "run")
+    recs, info = cd.drawn(tmp_path / "run", data)
+    assert sorted(r["input_ids"][:32] for r in recs) == sorted(seen) and info["drawn"] == 20
+    ledger = tmp_path / "ledger.json"
+    monkeypatch.setattr(sys, "argv", ["campaign_data.py", "ledger", "--run", str(tmp_path / "run"), "--out", str(ledger)])
+    assert cd.main() == 0
+    (data / "manifest.json").write_text(json.dumps({"target": {"vocab_size": 96}}))
+    monkeypatch.setattr(sys, "argv", ["campaign_data.py", "segment", "--from", str(data), "--ledger", str(ledger),
+                                      "--vocab-size", "8", "--out", str(tmp_path / "seg")])
+    assert cd.main() == 0
+    from selfdraft.training.records import load_records
+
+    left = load_records(tmp_path / "seg", "train")
+    assert len(left) == 4 and not {r["id"] for r in left} & {r["id"] for r in recs}
+    assert [r["id"] for r in load_records(tmp_path / "seg", "val")] == [r["id"] for r in load_records(data, "val")]
