@@ -67,8 +67,11 @@ def segment(args) -> int:
     if args.out.exists():
         print(f"error: {args.out} exists; pick a new --out (a segment's data never changes under a run)", file=sys.stderr)
         return 2
+    if args.ledger and not args.ledger.exists():  # a typo must not turn into "nothing trained yet"
+        print(f"error: no ledger at {args.ledger} (omit --ledger when the weights trained on none of these sources)", file=sys.stderr)
+        return 2
     ledger = read_ledger(args.ledger)
-    sources = [(Path(d), int(n)) for d, _, n in (s.partition(":") if ":" in s else (s, "", "0") for s in args.sources)]
+    sources = [(Path(d), int(n or 0)) for d, _, n in (s.partition(":") for s in args.sources)]
     val = load_records(sources[0][0], "val")
     rows, seen, summary = list(val), set(ledger), []
     for src, limit in sources:
