@@ -98,8 +98,9 @@ def main() -> None:
         return families(args.families, args.out, args.window)
     if not args.runs:
         ap.error("give a run directory, or --families DIR")
-    points, offset = [], 0
+    points, offset, starts = [], 0, []
     for seg, run in enumerate(args.runs):
+        starts.append(offset)
         seg_points = [dict(p, tokens=p["tokens"] + offset, segment=seg) for p in val_points(run)]
         points += seg_points
         offset += last_tokens(run)
@@ -129,10 +130,9 @@ def main() -> None:
     a1.legend(ncol=2, fontsize=8)
     a2.plot(xs, [p["loss"] for p in points], "o-", ms=3)
     a2.set_xlabel("fresh sequence tokens (M)")
-    for p in points[1:]:
-        if p.get("segment", 0) != points[points.index(p) - 1].get("segment", 0):  # a new segment: a fresh warm start
-            for a in (a1, a2):
-                a.axvline(p["tokens"] / 1e6, color="grey", lw=0.6, ls=":")
+    for x in starts[1:]:  # a new segment: a warm start with a fresh optimizer and schedule
+        for a in (a1, a2):
+            a.axvline(x / 1e6, color="grey", lw=0.6, ls=":")
     a2.set_ylabel("val loss (per segment: its CE label may differ)")
     fig.suptitle(f"the DSpark campaign on fresh data, {len(args.runs)} segment(s) (0 = the warm-start checkpoint)")
     fig.tight_layout()

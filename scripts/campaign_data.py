@@ -56,7 +56,7 @@ def drawn(run: Path, data: Path) -> tuple[list[dict], dict]:
     n = prov["steps"] * train["batch_size"] * train["grad_accum"] * prov.get("world_size", 1)
     cursor = DataCursor()
     idx = cursor.take(len(seqs), n, train["seed"])
-    if cursor.epoch:
+    if n > len(seqs):
         print(f"warning: {run} went past one epoch of {data}: some records were drawn twice", file=sys.stderr)
     info = {"run": str(run), "data": str(data), "seed": train["seed"], "steps": prov["steps"], "drawn": n,
             "tokens": prov["tokens"], "cursor": [cursor.epoch, cursor.index]}
