@@ -1,6 +1,6 @@
 """The campaign's curve: val acc@1..γ and loss against the fresh tokens seen (PNG + Markdown table).
 
-    python scripts/campaign_curve.py work/campaign/dspark --baseline work/baseline-val --out docs/bench/campaign
+    python scripts/campaign_curve.py RUN --baseline work/baseline-val --out docs/bench/campaign
     python scripts/campaign_curve.py SEG1 SEG2 ... --out docs/bench/campaign   (segments in order, each warm-started
                                                                              from the one before: tokens add up)
     python scripts/campaign_curve.py --families work/families --out docs/bench/families

@@ -71,7 +71,7 @@ train() {
   local ckpt=$work/dspark
   local args=(train --method dspark --target "$work/target.gguf" --data "$work/merged" --device "$device"
     --feature-layers 1,8,14,20,27 --gamma 7 --loss-vocab-size 16384 --mask-token-id 16 --qk-norm --layers 1
-    --random-init --anchors-per-seq 64 --batch-size "${BATCH:-32}" --lr 1e-3 --warmup-steps 50 --steps 1000000
+    --random-init --anchors-per-seq 64 --ce-label argmax --batch-size "${BATCH:-32}" --lr 1e-3 --warmup-steps 50 --steps 1000000
     --val-every 0 --val-batches 4 --save-every 100 --bf16 --dtype bfloat16 --out "$ckpt")
   [ -d "$DEV/init" ] && args+=(--init-from "$DEV/init")
   local t1=$SECONDS
