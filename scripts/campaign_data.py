@@ -30,6 +30,7 @@ from selfdraft.checkpoint import read_config
 from selfdraft.training.checkpointing import DataCursor
 from selfdraft.training.draft_vocab import draft_vocab_of
 from selfdraft.training.records import ShardWriter, _write_json, load_records
+from selfdraft.training.trainer import trainable
 
 
 def key(rec: dict) -> str:
@@ -38,9 +39,8 @@ def key(rec: dict) -> str:
 
 
 def usable(rec: dict, max_seq_len: int) -> bool:
-    """The trainer's filter (trainer.load_sequences): >= 2 tokens and a supervised token after truncation."""
-    ids, mask = rec["input_ids"][:max_seq_len], rec["loss_mask"][:max_seq_len]
-    return len(ids) >= 2 and any(mask[1:])
+    """A record the trainer keeps after truncation (trainer.load_sequences)."""
+    return trainable(rec["input_ids"][:max_seq_len], rec["loss_mask"][:max_seq_len])
 
 
 def read_ledger(path: Path | None) -> set[str]:

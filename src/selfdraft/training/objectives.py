@@ -60,27 +60,35 @@ def accuracy_at_k(pred: torch.Tensor, gold: torch.Tensor, k_idx: torch.Tensor, g
 
 
 # ------------------------------------------------------------------ losses over a draft vocabulary V'
+@dataclass
+class TargetStats:
+    """Per-position statistics of p_t from one pass of the frozen LM head over the full vocabulary."""
+
+    lse: torch.Tensor  # [...] float32 log Σ_v exp(z_v)
+    argmax: torch.Tensor  # [...] int64 argmax_v p_t(v): the token greedy decoding emits (ce_label="argmax")
+
+
 @torch.no_grad()
-def target_argmax(target: Target, last_hidden: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-    """[..., H] final target hidden states -> [...] int64 argmax_v p_t(v): the token greedy decoding emits
-    (the label of `ce_label="argmax"`; computed in chunks, never stored per token)."""
+def target_stats(target: Target, last_hidden: torch.Tensor, chunk: int = 1024) -> TargetStats:
+    """[..., H] final target hidden states -> their TargetStats, in chunks (logits never stored per token).
+
+    With lse, p_t restricted to any subset of rows is exp(z_S - lse) without materialising [N, V]."""
     flat = last_hidden.reshape(-1, last_hidden.shape[-1])
     w_dtype = target.model.get_output_embeddings().weight.dtype
-    parts = [target.lm_head(h.to(w_dtype)).argmax(-1) for h in flat.split(chunk)]
-    out = torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.long)
-    return out.view(last_hidden.shape[:-1])
+    lse, top = [], []
+    for h in flat.split(chunk):
+        z = target.lm_head(h.to(w_dtype)).float()  # [chunk, V]
+        lse.append(torch.logsumexp(z, dim=-1))
+        top.append(z.argmax(-1))
+    shape = last_hidden.shape[:-1]
+    if not lse:
+        return TargetStats(flat.new_zeros(0, dtype=torch.float32).view(shape), flat.new_zeros(0, dtype=torch.long).view(shape))
+    return TargetStats(torch.cat(lse).view(shape), torch.cat(top).view(shape))
 
 
-@torch.no_grad()
 def target_lse(target: Target, last_hidden: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-    """[..., H] final target hidden states -> [...] float32 log Σ_v exp(z_v) over the FULL vocabulary.
-
-    With it, p_t restricted to any subset of rows is exp(z_S - lse) without materialising [N, V]."""
-    flat = last_hidden.reshape(-1, last_hidden.shape[-1])
-    w_dtype = target.model.get_output_embeddings().weight.dtype
-    parts = [torch.logsumexp(target.lm_head(h.to(w_dtype)).float(), dim=-1) for h in flat.split(chunk)]
-    out = torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.float32)
-    return out.view(last_hidden.shape[:-1])
+    """[..., H] final target hidden states -> [...] float32 log Σ_v exp(z_v) over the FULL vocabulary."""
+    return target_stats(target, last_hidden, chunk).lse
 
 
 @dataclass

@@ -40,18 +40,22 @@ class Batch:
     def target_lse(self, target: "Target") -> torch.Tensor:
         """[B, T] the cached log-partition of p_t, or computed now (one full LM-head pass, no grad)."""
         if self.lse is None:
-            from selfdraft.training.objectives import target_lse
-
-            self.lse = target_lse(target, self.last_hidden)
+            self._lm_head_pass(target)
         return self.lse
 
     def target_argmax(self, target: "Target") -> torch.Tensor:
         """[B, T] argmax of p_t at every position (the target's greedy next token), computed once."""
         if self.argmax is None:
-            from selfdraft.training.objectives import target_argmax
-
-            self.argmax = target_argmax(target, self.last_hidden)
+            self._lm_head_pass(target)
         return self.argmax
+
+    def _lm_head_pass(self, target: "Target") -> None:
+        """One LM-head pass fills both statistics (a cached lse from the feature cache is kept)."""
+        from selfdraft.training.objectives import target_stats
+
+        stats = target_stats(target, self.last_hidden)
+        self.lse = stats.lse if self.lse is None else self.lse
+        self.argmax = stats.argmax
 
 
 @dataclass

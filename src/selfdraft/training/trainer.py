@@ -82,9 +82,15 @@ def load_sequences(data_dir: str | Path, split: str, max_seq_len: int, features:
     seqs = []
     for ids, mask, cached in pairs:
         ids, mask = ids[:max_seq_len], mask[:max_seq_len]
-        if len(ids) >= 2 and any(mask[1:]):
+        if trainable(ids, mask):
             seqs.append(Sequence(ids, mask, cached))
     return seqs
+
+
+def trainable(ids: list[int], mask: list[int]) -> bool:
+    """Whether the trainer keeps a (truncated) record: >= 2 tokens and a supervised token to predict.
+    The campaign's ledger replays the trainer's order over exactly these (scripts/campaign_data.py)."""
+    return len(ids) >= 2 and any(mask[1:])
 
 
 
