@@ -31,18 +31,19 @@ if [ "${ORIGINAL:-0}" -gt 0 ]; then
 fi
 # One name per (ledger, sources): the same machine resumes the same segment; a new ledger starts a new one.
 SEG=${SEG:-seg-$(cat "$CKPT/ledger.json" <(echo "$FROM") | sha256sum | cut -c1-8)}
-DATA=work/data/$SEG OUT=work/campaign/$SEG
+DATA=work/data/$SEG OUT=${OUT:-work/campaign/$SEG}
 [ -d "$DATA" ] || $PY scripts/campaign_data.py segment $FROM --ledger "$CKPT/ledger.json" --out "$DATA"
 EPOCH=$($PY -c "import json; print(json.load(open('$DATA/manifest.json'))['tokens']['epoch'])")
 BUDGET=${BUDGET:-$EPOCH}
 [ "$BUDGET" -le "$EPOCH" ] || { echo "error: BUDGET $BUDGET > one epoch of $DATA ($EPOCH): tokens would repeat" >&2; exit 2; }
 echo "campaign: segment $DATA ($EPOCH tokens a epoch, budget $BUDGET) from $CKPT -> $OUT" >&2
 # Recipe (docs/training.md#the-campaign): CE on the target's greedy token, 64 anchors per sequence, a warm
-# start at lr 3e-4 (a fresh optimizer and a new cosine over the segment's budget).
+# start at lr 3e-4 (a fresh optimizer and a new cosine over the segment's budget). LAYERS=2 grows the drafter
+# by a layer that starts as the identity (training/checkpointing.py warm_start); OUT=DIR names that run.
 # bf16 autocast on a bf16 target: measured 211 vs 151 seq tok/s (fp32), 1 thread, AMD EPYC Zen 5 (avx512_bf16).
 # On a CPU without bf16 units pass BF16="--no-bf16 --dtype float32".
 exec .venv/bin/selfdraft train --method dspark --data "$DATA" --init-from "$CKPT" --seed 0 \
-  --feature-layers 1,8,14,20,27 --gamma 7 --loss-vocab-size 16384 --mask-token-id 16 --qk-norm --layers 1 \
+  --feature-layers 1,8,14,20,27 --gamma 7 --loss-vocab-size 16384 --mask-token-id 16 --qk-norm --layers "${LAYERS:-1}" \
   --random-init --anchors-per-seq 64 --ce-label "${CE_LABEL:-argmax}" --batch-size 2 --lr "${LR:-3e-4}" \
   --warmup-steps 20 --steps 1000000 --token-budget "$BUDGET" --val-every 250 --val-batches 10 --save-every 100 \
   ${BF16:---bf16 --dtype bfloat16} --threads "${THREADS:-1}" --out "$OUT"

@@ -510,3 +510,36 @@ def test_hybrid_over_dspark_drafts_batched_in_the_engine_and_stays_exact(target,
     res = eng.run()
     assert [res[i].token_ids for i in ids] == plain
     assert max(rows) > 1  # batched, not one request at a time
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_warm_start_grows_new_layers_as_the_identity(target, method, tmp_path):
+    """--init-from a 1-layer checkpoint into a 2-layer drafter: the saved layer keeps its place, the
+    new one adds nothing (o_proj, down_proj zero), so the grown drafter drafts the same states; a
+    2-layer drafter with a random second layer (the control) does not; fewer layers are refused."""
+    from selfdraft.checkpoint import provenance, save_checkpoint
+    from selfdraft.config import ConfigError
+    from selfdraft.training.checkpointing import warm_start
+
+    small, cfg1 = make(method, target, gamma=4, markov_rank=8, num_layers=1)
+    with torch.no_grad():
+        for p in small.parameters():
+            p.add_(0.1 * torch.randn_like(p))  # not an init anyone would reproduce by chance
+    save_checkpoint(tmp_path / "one", small, cfg1, target, provenance("test", 0, 0))
+    big, cfg2 = make(method, target, seed=2, gamma=4, markov_rank=8, num_layers=2)
+    control = {k: v.clone() for k, v in big.state_dict().items()}
+    warm_start(big, cfg2, target, str(tmp_path / "one"))
+
+    prompt = [5, 17, 3, 42, 8, 8, 61]
+    def states(model, cfg):
+        d = STRATEGIES[method].drafter(model, cfg, target)
+        d.begin(prompt[:-1], target.forward(torch.tensor([prompt[:-1]]), None, FEATS))
+        return d.draft_states(prompt, 4)
+    h1 = states(small, cfg1)
+    assert torch.allclose(states(big, cfg2), h1, atol=1e-5)
+    control.update({k: v for k, v in big.state_dict().items() if not k.startswith("layers.1.")})
+    big.load_state_dict(control)  # layer 0 from the checkpoint, layer 1 as initialised
+    assert not torch.allclose(states(big, cfg2), h1, atol=1e-3)
+    save_checkpoint(tmp_path / "two", big, cfg2, target, provenance("test", 0, 0))
+    with pytest.raises(ConfigError, match="init-from"):
+        warm_start(make(method, target, gamma=4, markov_rank=8, num_layers=1)[0], cfg1, target, str(tmp_path / "two"))

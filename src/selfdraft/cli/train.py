@@ -36,7 +36,8 @@ TRAIN_OPTIONS: dict[str, tuple[tuple[str, ...] | None, str]] = {
     "val_every": (None, "0 = only at the end"),
     "save_every": (None, "0 = only at the end"),
     "fsdp": (("--fsdp/--ddp",), "under torchrun: shard the drafter (FSDP) or replicate it (DDP, default)"),
-    "init_from": (None, "warm start a fresh run from this checkpoint's drafter weights (same method and shapes; "
+    "init_from": (None, "warm start a fresh run from this checkpoint's drafter weights (same method and shapes, or more "
+                        "--layers: new layers start as the identity; "
                         "new schedule and optimizer; the loss vocabulary comes from --data)"),
 }
 # TYPES maps a field's annotation (a string: config.py uses postponed annotations) to the option's type;

@@ -134,18 +134,32 @@ DATA_BUFFERS = ("draft_ids",)
 
 
 def warm_start(model: torch.nn.Module, cfg: DrafterConfig, target: Target, src: str) -> None:
-    """Copy the trained weights of checkpoint `src` into the fresh `model` (same method, same shapes)."""
+    """Copy the trained weights of checkpoint `src` into the fresh `model` (same method, same shapes).
+
+    A model with more decoder layers than `src` grows: the saved layers keep their places and each
+    new one `layers.i` (i >= the saved count) starts as the identity of its pre-norm residual block
+    (o_proj and down_proj zero), so the grown drafter drafts exactly what `src` drafts at step 0.
+    """
     saved = load_module(src, target, dtype=torch.float32)
     if saved.cfg.method != cfg.method:
         raise ConfigError(f"--init-from {src}: a {saved.cfg.method} drafter cannot start a {cfg.method} run")
     mine = model.state_dict()
     theirs = {k: v for k, v in saved.model.state_dict().items() if k.split(".")[-1] not in DATA_BUFFERS}
-    bad = sorted(k for k in mine if k.split(".")[-1] not in DATA_BUFFERS and (k not in theirs or theirs[k].shape != mine[k].shape))
+    n_saved = 1 + max((int(k.split(".")[1]) for k in theirs if k.startswith("layers.")), default=-1)
+    grown = sorted(k for k in mine if k.startswith("layers.") and k not in theirs and int(k.split(".")[1]) >= n_saved)
+    bad = sorted(k for k in mine if k.split(".")[-1] not in DATA_BUFFERS and k not in grown
+                 and (k not in theirs or theirs[k].shape != mine[k].shape))
     if bad or set(theirs) - set(mine):
         raise ConfigError(f"--init-from {src}: its weights do not fit this drafter config (missing or reshaped: "
                           f"{bad[:5]}; extra: {sorted(set(theirs) - set(mine))[:5]}); train with its config.json's drafter settings")
     model.load_state_dict(theirs, strict=False)
-    print(f"warm start: drafter weights from {src} ({sum(v.numel() for v in theirs.values()) / 1e6:.1f}M values)", file=sys.stderr)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in grown and name.rsplit(".", 2)[-2] in ("o_proj", "down_proj"):
+                p.zero_()  # the residual block adds nothing until training moves it
+    new = sorted({int(k.split(".")[1]) for k in grown})
+    print(f"warm start: drafter weights from {src} ({sum(v.numel() for v in theirs.values()) / 1e6:.1f}M values)"
+          + (f"; new layers {new} start as the identity" if new else ""), file=sys.stderr)
 
 
 def save(run: RunState, out_dir: Path, target: Target, cfg: DrafterConfig, train_cfg: TrainConfig, n_train: int,
