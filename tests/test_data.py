@@ -485,3 +485,24 @@ def test_original_answers_import_is_masked_split_and_resumable(tmp_path, chat_ta
         assert text == r["messages"][1]["content"] and answer[-1] == chat_target.tokenizer.convert_tokens_to_ids("<|im_end|>")
     index = write_feature_cache(chat_target, out, tmp_path / "f", FeatureSpec(feature_layers=(1,)), progress=False)
     assert index["records"] == 6 and FeatureCache(tmp_path / "f")[0].lse is not None
+
+
+def test_exclude_skips_the_prompts_a_campaign_ledger_holds(tmp_path):
+    """`data regenerate --exclude ledger.json`: prompts already trained on (by source:id) are not
+    answered again; others, and the same prompt from another source, are kept; a bad ledger is exit 2."""
+    from typer.testing import CliRunner
+
+    from selfdraft.cli import app
+    from selfdraft.training.sources import drop_trained
+
+    ps = [Prompt(prompt_id([t]), "sharegpt", [t], "train") for t in ("a", "b", "c")]
+    other = Prompt(ps[0].id, "other.jsonl", ["a"], "train")
+    ledger = tmp_path / "ledger.json"
+    ledger.write_text(json.dumps({"records": [f"sharegpt:{ps[0].id}", f"sharegpt:{ps[2].id}"]}))
+    kept, dropped = drop_trained(ps + [other], ledger)
+    assert [p.turns for p in kept] == [["b"], ["a"]] and kept[1].source == "other.jsonl" and dropped == 2
+    src = write_jsonl(tmp_path / "p.jsonl", [json.dumps({"turns": ["Say hi."]})])
+    for bad in (tmp_path / "missing.json", write_jsonl(tmp_path / "bad.json", ["[1, 2]"])):
+        res = CliRunner().invoke(app, ["data", "regenerate", str(src), "--out", str(tmp_path / "d"), "--exclude", str(bad)])
+        assert res.exit_code == 2 and "campaign ledger" in res.output, res.output
+        assert not (tmp_path / "d").exists()

@@ -65,6 +65,8 @@ def data_regenerate(
     batch_size: int = typer.Option(16, "--batch-size", "-b"),
     val_fraction: float = typer.Option(0.02, "--val-fraction"),
     seed: int = typer.Option(0, "--seed"),
+    exclude: Optional[Path] = typer.Option(None, "--exclude", help="a campaign ledger (ledger.json): skip the prompts "
+                                           "it holds, so every answer is fresh (--limit still counts them)"),
     threads: int = ThreadsOpt,
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
@@ -74,7 +76,10 @@ def data_regenerate(
 
     from selfdraft.target import Target
     from selfdraft.training.regenerate import RegenConfig, recommended_sampling, regenerate
+    from selfdraft.training.sources import drop_trained
 
+    if exclude:
+        drop_trained([], exclude)  # a bad ledger fails before the target loads
     set_threads(threads)
     tgt = Target.load(target, dtype=dtype, device=device)
     rec = {"temperature": 0.7, "top_p": 0.9, **recommended_sampling(tgt)}
@@ -85,9 +90,14 @@ def data_regenerate(
         num_turns=num_turns, batch_size=batch_size, seed=seed,
     )
     chosen, stats = _select_prompts(tgt, sources, num_turns, val_fraction, max_prompt_tokens, limit)
-    print(f"prompts: {json.dumps(stats.as_dict())}", file=sys.stderr)
+    dropped = 0
+    if exclude:
+        chosen, dropped = drop_trained(chosen, exclude)
+    print(f"prompts: {json.dumps(stats.as_dict())}" + (f", {dropped} skipped (in {exclude})" if exclude else ""),
+          file=sys.stderr)
     provenance = {"command": shlex.join(["selfdraft", *sys.argv[1:]]), "sources": list(sources),
-                  "limit": limit, "val_fraction": val_fraction, "prompt_stats": stats.as_dict(),
+                  "limit": limit, "exclude": str(exclude) if exclude else None, "excluded": dropped,
+                  "val_fraction": val_fraction, "prompt_stats": stats.as_dict(),
                   "dtype": dtype, "threads": threads, "device": str(tgt.device)}
     summary = regenerate(tgt, chosen, out, cfg, provenance=provenance)
     print(f"wrote {summary.written} conversations ({summary.skipped_done} already done), "

@@ -265,3 +265,16 @@ def select_prompts(
         for p in nearest:
             p.split = "val"
     return chosen
+
+
+def drop_trained(prompts: list[Prompt], ledger: Path) -> tuple[list[Prompt], int]:
+    """Prompts a campaign ledger (`ledger.json`: the "source:id" of every record trained on,
+    docs/training.md#the-campaign) does not hold -> (kept, dropped). Regenerating them would pay
+    for answers the drafter has already learnt from."""
+    try:
+        held = set(json.loads(Path(ledger).read_text())["records"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"--exclude {ledger}: not a readable campaign ledger (a JSON object with a \"records\" "
+                        f"list of \"source:id\" keys, e.g. checkpoints/dspark-campaign/ledger.json): {e}") from None
+    kept = [p for p in prompts if f"{p.source}:{p.id}" not in held]
+    return kept, len(prompts) - len(kept)
