@@ -7,10 +7,11 @@
 # again from the committed weights (a new machine). When a segment is done, ship it and extend the ledger:
 #   python scripts/campaign_data.py ledger --run $OUT --ledger checkpoints/dspark-campaign/ledger.json --out L
 #   python scripts/ship_drafter.py $OUT checkpoints/dspark-campaign && mv L checkpoints/dspark-campaign/ledger.json
-# Sources: regen-v1; work/data/regen-v2 when present (`selfdraft data regenerate sharegpt --out work/data/regen-v2
-# --limit 12000 --batch-size 32 --threads 1 --dtype bfloat16 --seed 3` on a copy of regen-v1 extends it);
-# ORIGINAL=N adds N original ShareGPT answers (`data original`, no generation; the target's own answers
-# measured better per token, BENCHMARKS.md).
+# Sources: regen-v1; every other work/data/regen-v* (more prompts answered the same way, only those the ledger lacks:
+#   selfdraft data regenerate sharegpt --out work/data/regen-v3 --limit 15000 --exclude checkpoints/dspark-campaign/ledger.json \
+#     --batch-size 32 --threads 1 --dtype bfloat16 --seed 3     (rerun it to finish before a segment is built);
+# ORIGINAL=N adds N original ShareGPT answers (`data original`, no generation; they lowered the target's
+# acceptance at 150k and at 1.2M tokens, BENCHMARKS.md: the campaign's data is the target's own answers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -24,7 +25,7 @@ if [ ! -d work/data/regen-v1 ]; then  # a writable copy: the draft vocabulary is
   cp -r "$SRC" work/data/regen-v1 && chmod -R u+w work/data/regen-v1
 fi
 FROM="--from work/data/regen-v1"
-[ -d work/data/regen-v2 ] && FROM="$FROM --from work/data/regen-v2"
+for d in work/data/regen-v*; do [ "$d" = work/data/regen-v1 ] || FROM="$FROM --from $d"; done
 if [ "${ORIGINAL:-0}" -gt 0 ]; then
   [ -f work/data/original/manifest.json ] || .venv/bin/selfdraft data original --out work/data/original --limit 20000
   FROM="$FROM --from work/data/original:$ORIGINAL"

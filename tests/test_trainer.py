@@ -325,3 +325,13 @@ def test_campaign_ledger_replays_exactly_what_the_run_drew(toy_method, tiny_targ
     left = load_records(tmp_path / "seg", "train")
     assert len(left) == 4 and not {r["id"] for r in left} & {r["id"] for r in recs}
     assert [r["id"] for r in load_records(tmp_path / "seg", "val")] == [r["id"] for r in load_records(data, "val")]
+
+
+def test_the_final_validation_reaches_the_log_on_disk(toy_method, tiny_target, data, tmp_path):
+    """A run whose last step is a save step but not a validation step validates once more at the end;
+    that validation must be in train_log.jsonl (it was saved before the final validation ran)."""
+    dcfg, tcfg = cfgs(data, steps=10, val_every=4, save_every=5)
+    res = train(tiny_target, dcfg, tcfg, tmp_path / "out")
+    log = [json.loads(x) for x in (tmp_path / "out" / "train_log.jsonl").read_text().splitlines()]
+    assert [v.step for v in res.val] == [4, 8, 10]
+    assert [x["step"] for x in log if x["kind"] == "val"] == [4, 8, 10]

@@ -256,11 +256,13 @@ def _train(target, drafter_cfg, train_cfg, out_dir, strategy, resume, on_step, d
             on_step(log)
     bar.close()
 
-    # 5. Final validation and checkpoint, unless this step already had them (or nothing was trained).
+    # 5. Final validation and checkpoint, unless this step already had them (or nothing was trained);
+    # a validation added after this step's save is saved again, or the log on disk would lack it.
     if run.step > resumed_from:
-        if not (run.val and run.val[-1].step == run.step):
+        validated_now = not (run.val and run.val[-1].step == run.step)
+        if validated_now:
             _validate_run(run, plan, wrapped, target, train_cfg, autocast, dist, bar)
-        if not (train_cfg.save_every and run.step % train_cfg.save_every == 0):
+        if validated_now or not (train_cfg.save_every and run.step % train_cfg.save_every == 0):
             save(run, out_dir, target, cfg, train_cfg, n_train, dist)
     return TrainResult(out_dir, run.step, run.tokens, "steps" if run.step >= train_cfg.steps else "token_budget",
                        resumed_from, time.perf_counter() - t_start, run.history, run.val)
