@@ -543,3 +543,15 @@ def test_warm_start_grows_new_layers_as_the_identity(target, method, tmp_path):
     save_checkpoint(tmp_path / "two", big, cfg2, target, provenance("test", 0, 0))
     with pytest.raises(ConfigError, match="init-from"):
         warm_start(make(method, target, gamma=4, markov_rank=8, num_layers=1)[0], cfg1, target, str(tmp_path / "two"))
+
+
+def test_warm_start_does_not_grow_mtp_modules(target, tmp_path):
+    """MTP's `layers.d` are separate depths, not a residual stack: more modules than the checkpoint is refused."""
+    from selfdraft.checkpoint import provenance, save_checkpoint
+    from selfdraft.config import ConfigError
+    from selfdraft.training.checkpointing import warm_start
+
+    one, two = (methods.get("mtp").config(feature_layers=FEATS, mtp_modules=n) for n in (1, 2))
+    save_checkpoint(tmp_path / "one", STRATEGIES["mtp"].build(one, target), one, target, provenance("test", 0, 0))
+    with pytest.raises(ConfigError, match="init-from"):
+        warm_start(STRATEGIES["mtp"].build(two, target), two, target, str(tmp_path / "one"))

@@ -136,17 +136,19 @@ DATA_BUFFERS = ("draft_ids",)
 def warm_start(model: torch.nn.Module, cfg: DrafterConfig, target: Target, src: str) -> None:
     """Copy the trained weights of checkpoint `src` into the fresh `model` (same method, same shapes).
 
-    A model with more decoder layers than `src` grows: the saved layers keep their places and each
-    new one `layers.i` (i >= the saved count) starts as the identity of its pre-norm residual block
-    (o_proj and down_proj zero), so the grown drafter drafts exactly what `src` drafts at step 0.
+    A DFlash or DSpark model with more decoder layers than `src` grows: the saved layers keep their
+    places and each new one `layers.i` (i >= the saved count) starts as the identity of its pre-norm
+    residual block (o_proj and down_proj zero), so the grown drafter drafts what `src` drafts at step 0.
     """
     saved = load_module(src, target, dtype=torch.float32)
     if saved.cfg.method != cfg.method:
         raise ConfigError(f"--init-from {src}: a {saved.cfg.method} drafter cannot start a {cfg.method} run")
     mine = model.state_dict()
     theirs = {k: v for k, v in saved.model.state_dict().items() if k.split(".")[-1] not in DATA_BUFFERS}
-    n_saved = 1 + max((int(k.split(".")[1]) for k in theirs if k.startswith("layers.")), default=-1)
-    grown = sorted(k for k in mine if k.startswith("layers.") and k not in theirs and int(k.split(".")[1]) >= n_saved)
+    # only a residual stack of decoder layers (num_layers: DFlash, DSpark) grows; MTP's layers are separate depths
+    n_saved = getattr(saved.cfg, "num_layers", 0)
+    grows = getattr(cfg, "num_layers", 0) > n_saved > 0
+    grown = sorted(k for k in mine if grows and k.startswith("layers.") and int(k.split(".")[1]) >= n_saved)
     bad = sorted(k for k in mine if k.split(".")[-1] not in DATA_BUFFERS and k not in grown
                  and (k not in theirs or theirs[k].shape != mine[k].shape))
     if bad or set(theirs) - set(mine):
