@@ -30,12 +30,13 @@ from selfdraft.checkpoint import read_config
 from selfdraft.training.checkpointing import DataCursor
 from selfdraft.training.draft_vocab import draft_vocab_of
 from selfdraft.training.records import ShardWriter, _write_json, load_records
+from selfdraft.training.sources import ledger_key, read_ledger
 from selfdraft.training.trainer import trainable
 
 
 def key(rec: dict) -> str:
     """A record's ledger key: ids are prompt hashes, shared by the regenerated and original answers of one prompt."""
-    return f"{rec['source']}:{rec['id']}"
+    return ledger_key(rec["source"], rec["id"])
 
 
 def usable(rec: dict, max_seq_len: int) -> bool:
@@ -43,9 +44,9 @@ def usable(rec: dict, max_seq_len: int) -> bool:
     return trainable(rec["input_ids"][:max_seq_len], rec["loss_mask"][:max_seq_len])
 
 
-def read_ledger(path: Path | None) -> set[str]:
+def ledger_records(path: Path | None) -> set[str]:
     """The "source:id" keys of the records drawn; an absent path is an empty ledger."""
-    return set(json.loads(path.read_text())["records"]) if path and path.exists() else set()
+    return read_ledger(path) if path and path.exists() else set()
 
 
 def drawn(run: Path, data: Path) -> tuple[list[dict], dict]:
@@ -70,7 +71,7 @@ def segment(args) -> int:
     if args.ledger and not args.ledger.exists():  # a typo must not turn into "nothing trained yet"
         print(f"error: no ledger at {args.ledger} (omit --ledger when the weights trained on none of these sources)", file=sys.stderr)
         return 2
-    ledger = read_ledger(args.ledger)
+    ledger = ledger_records(args.ledger)
     sources = [(Path(d), int(n or 0)) for d, _, n in (s.partition(":") for s in args.sources)]
     val = load_records(sources[0][0], "val")
     rows, seen, summary = list(val), set(ledger), []
@@ -103,7 +104,7 @@ def segment(args) -> int:
 
 
 def ledger(args) -> int:
-    records = read_ledger(args.ledger)
+    records = ledger_records(args.ledger)
     data = args.data or Path(read_config(args.run)["provenance"]["data"])
     recs, info = drawn(args.run, data)
     new = {key(r) for r in recs} - records

@@ -493,13 +493,13 @@ def test_exclude_skips_the_prompts_a_campaign_ledger_holds(tmp_path):
     from typer.testing import CliRunner
 
     from selfdraft.cli import app
-    from selfdraft.training.sources import drop_trained
+    from selfdraft.training.sources import drop_trained, read_ledger
 
     ps = [Prompt(prompt_id([t]), "sharegpt", [t], "train") for t in ("a", "b", "c")]
     other = Prompt(ps[0].id, "other.jsonl", ["a"], "train")
     ledger = tmp_path / "ledger.json"
     ledger.write_text(json.dumps({"records": [f"sharegpt:{ps[0].id}", f"sharegpt:{ps[2].id}"]}))
-    kept, dropped = drop_trained(ps + [other], ledger)
+    kept, dropped = drop_trained(ps + [other], read_ledger(ledger))
     assert [p.turns for p in kept] == [["b"], ["a"]] and kept[1].source == "other.jsonl" and dropped == 2
     src = write_jsonl(tmp_path / "p.jsonl", [json.dumps({"turns": ["Say hi."]})])
     for bad in (tmp_path / "missing.json", write_jsonl(tmp_path / "bad.json", ["[1, 2]"])):

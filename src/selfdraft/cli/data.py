@@ -76,10 +76,9 @@ def data_regenerate(
 
     from selfdraft.target import Target
     from selfdraft.training.regenerate import RegenConfig, recommended_sampling, regenerate
-    from selfdraft.training.sources import drop_trained
+    from selfdraft.training.sources import drop_trained, read_ledger
 
-    if exclude:
-        drop_trained([], exclude)  # a bad ledger fails before the target loads
+    held = read_ledger(exclude) if exclude else set()  # a bad ledger fails before the target loads
     set_threads(threads)
     tgt = Target.load(target, dtype=dtype, device=device)
     rec = {"temperature": 0.7, "top_p": 0.9, **recommended_sampling(tgt)}
@@ -90,9 +89,7 @@ def data_regenerate(
         num_turns=num_turns, batch_size=batch_size, seed=seed,
     )
     chosen, stats = _select_prompts(tgt, sources, num_turns, val_fraction, max_prompt_tokens, limit)
-    dropped = 0
-    if exclude:
-        chosen, dropped = drop_trained(chosen, exclude)
+    chosen, dropped = drop_trained(chosen, held)
     print(f"prompts: {json.dumps(stats.as_dict())}" + (f", {dropped} skipped (in {exclude})" if exclude else ""),
           file=sys.stderr)
     provenance = {"command": shlex.join(["selfdraft", *sys.argv[1:]]), "sources": list(sources),

@@ -65,30 +65,30 @@ class TargetStats:
     """Per-position statistics of p_t from one pass of the frozen LM head over the full vocabulary."""
 
     lse: torch.Tensor  # [...] float32 log Σ_v exp(z_v)
-    argmax: torch.Tensor  # [...] int64 argmax_v p_t(v): the token greedy decoding emits (ce_label="argmax")
+    argmax: torch.Tensor  # [...] int64 argmax_v p_t(v), the token greedy decoding emits (ce_label="argmax"); [0] if not asked
 
 
 @torch.no_grad()
-def target_stats(target: Target, last_hidden: torch.Tensor, chunk: int = 1024) -> TargetStats:
-    """[..., H] final target hidden states -> their TargetStats, in chunks (logits never stored per token).
+def target_stats(target: Target, last_hidden: torch.Tensor, chunk: int = 1024, argmax: bool = True) -> TargetStats:
+    """[..., H] final target hidden states -> their TargetStats, in chunks (logits never stored per token);
+    argmax=False skips the argmax (its field is then empty).
 
     With lse, p_t restricted to any subset of rows is exp(z_S - lse) without materialising [N, V]."""
     flat = last_hidden.reshape(-1, last_hidden.shape[-1])
     w_dtype = target.model.get_output_embeddings().weight.dtype
-    lse, top = [], []
+    lse, top = [flat.new_zeros(0, dtype=torch.float32)], [flat.new_zeros(0, dtype=torch.long)]
     for h in flat.split(chunk):
         z = target.lm_head(h.to(w_dtype)).float()  # [chunk, V]
         lse.append(torch.logsumexp(z, dim=-1))
-        top.append(z.argmax(-1))
+        if argmax:
+            top.append(z.argmax(-1))
     shape = last_hidden.shape[:-1]
-    if not lse:
-        return TargetStats(flat.new_zeros(0, dtype=torch.float32).view(shape), flat.new_zeros(0, dtype=torch.long).view(shape))
-    return TargetStats(torch.cat(lse).view(shape), torch.cat(top).view(shape))
+    return TargetStats(torch.cat(lse).view(shape), torch.cat(top).view(shape) if argmax else torch.cat(top))
 
 
 def target_lse(target: Target, last_hidden: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     """[..., H] final target hidden states -> [...] float32 log Σ_v exp(z_v) over the FULL vocabulary."""
-    return target_stats(target, last_hidden, chunk).lse
+    return target_stats(target, last_hidden, chunk, argmax=False).lse
 
 
 @dataclass

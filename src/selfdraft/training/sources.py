@@ -267,14 +267,22 @@ def select_prompts(
     return chosen
 
 
-def drop_trained(prompts: list[Prompt], ledger: Path) -> tuple[list[Prompt], int]:
-    """Prompts a campaign ledger (`ledger.json`: the "source:id" of every record trained on,
-    docs/training.md#the-campaign) does not hold -> (kept, dropped). Regenerating them would pay
-    for answers the drafter has already learnt from."""
+def ledger_key(source: str, pid: str) -> str:
+    """A record's key in a campaign ledger (docs/training.md#the-campaign): its source and prompt id."""
+    return f"{source}:{pid}"
+
+
+def read_ledger(path: Path) -> set[str]:
+    """The keys of a campaign ledger (`ledger.json`: every record the committed weights trained on)."""
     try:
-        held = set(json.loads(Path(ledger).read_text())["records"])
+        return set(json.loads(Path(path).read_text())["records"])
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise DataError(f"--exclude {ledger}: not a readable campaign ledger (a JSON object with a \"records\" "
-                        f"list of \"source:id\" keys, e.g. checkpoints/dspark-campaign/ledger.json): {e}") from None
-    kept = [p for p in prompts if f"{p.source}:{p.id}" not in held]
+        raise DataError(f"{path}: not a readable campaign ledger (a JSON object with a \"records\" list of "
+                        f"\"source:id\" keys, e.g. checkpoints/dspark-campaign/ledger.json): {e}") from None
+
+
+def drop_trained(prompts: list[Prompt], held: set[str]) -> tuple[list[Prompt], int]:
+    """Prompts whose key a ledger does not hold -> (kept, dropped). Regenerating the others would pay
+    for answers the drafter has already learnt from."""
+    kept = [p for p in prompts if ledger_key(p.source, p.id) not in held]
     return kept, len(prompts) - len(kept)
