@@ -10,6 +10,11 @@
 # Sources: regen-v1; every other work/data/regen-v* (more prompts answered the same way, only those the ledger lacks:
 #   selfdraft data regenerate sharegpt --out work/data/regen-v3 --limit 15000 --exclude checkpoints/dspark-campaign/ledger.json \
 #     --batch-size 32 --threads 1 --dtype bfloat16 --seed 3     (rerun it to finish before a segment is built);
+# the single-turn ShareGPT prompts (13,968 usable) are all answered by regen-v1/v3/v4; the next pool is their
+# second turns (11,948 conversations have one), each answered after the target's own first answer:
+#   selfdraft data regenerate sharegpt --turns 2 --out work/data/regen-v5 --exclude checkpoints/dspark-campaign/ledger.json \
+#     --exclude work/data/regen-v3 --exclude work/data/regen-v4 --batch-size 32 --threads 1 --dtype bfloat16 --seed 3
+# and MAXLEN=1024 trains on both answers (a two-turn conversation runs to 512 + 257 tokens; the default cuts at 512);
 # ORIGINAL=N adds N original ShareGPT answers (`data original`, no generation; they lowered the target's
 # acceptance at 150k and at 1.2M tokens, BENCHMARKS.md: the campaign's data is the target's own answers).
 set -euo pipefail
@@ -31,9 +36,10 @@ if [ "${ORIGINAL:-0}" -gt 0 ]; then
   FROM="$FROM --from work/data/original:$ORIGINAL"
 fi
 # One name per (ledger, sources): the same machine resumes the same segment; a new ledger starts a new one.
-SEG=${SEG:-seg-$(cat "$CKPT/ledger.json" <(echo "$FROM") | sha256sum | cut -c1-8)}
+MAXLEN=${MAXLEN:-}
+SEG=${SEG:-seg-$(cat "$CKPT/ledger.json" <(echo "$FROM$MAXLEN") | sha256sum | cut -c1-8)}
 DATA=work/data/$SEG OUT=${OUT:-work/campaign/$SEG}
-[ -d "$DATA" ] || $PY scripts/campaign_data.py segment $FROM --ledger "$CKPT/ledger.json" --out "$DATA"
+[ -d "$DATA" ] || $PY scripts/campaign_data.py segment $FROM --ledger "$CKPT/ledger.json" --max-seq-len "${MAXLEN:-512}" --out "$DATA"
 EPOCH=$($PY -c "import json; print(json.load(open('$DATA/manifest.json'))['tokens']['epoch'])")
 BUDGET=${BUDGET:-$EPOCH}
 [ "$BUDGET" -le "$EPOCH" ] || { echo "error: BUDGET $BUDGET > one epoch of $DATA ($EPOCH): tokens would repeat" >&2; exit 2; }
@@ -46,5 +52,5 @@ echo "campaign: segment $DATA ($EPOCH tokens a epoch, budget $BUDGET) from $CKPT
 exec .venv/bin/selfdraft train --method dspark --data "$DATA" --init-from "$CKPT" --seed 0 \
   --feature-layers 1,8,14,20,27 --gamma 7 --loss-vocab-size 16384 --mask-token-id 16 --qk-norm --layers "${LAYERS:-1}" \
   --random-init --anchors-per-seq 64 --ce-label "${CE_LABEL:-argmax}" --batch-size 2 --lr "${LR:-3e-4}" \
-  --warmup-steps 20 --steps 1000000 --token-budget "$BUDGET" --val-every 250 --val-batches 10 --save-every 100 \
+  --max-seq-len "${MAXLEN:-512}" --warmup-steps 20 --steps 1000000 --token-budget "$BUDGET" --val-every 250 --val-batches 10 --save-every 100 \
   ${BF16:---bf16 --dtype bfloat16} --threads "${THREADS:-1}" --out "$OUT"

@@ -3,6 +3,8 @@
     python scripts/campaign_curve.py RUN --baseline work/baseline-val --out docs/bench/campaign
     python scripts/campaign_curve.py SEG1 SEG2 ... --out docs/bench/campaign   (segments in order, each warm-started
                                                                              from the one before: tokens add up)
+    python scripts/campaign_curve.py SEG3 --prior docs/bench/campaign/curve.json --out docs/bench/campaign
+                                         (new segments after the points of a committed curve: its logs may be gone)
     python scripts/campaign_curve.py --families work/families --out docs/bench/families
 
 --families: one run per method in DIR/METHOD, trained on the same tokens in the same order. Within one
@@ -92,19 +94,22 @@ def main() -> None:
     ap.add_argument("--families", type=Path, help="DIR/METHOD runs on the same data: one curve per family")
     ap.add_argument("--window", type=int, default=10_000, help="--families: tokens per point")
     ap.add_argument("--baseline", type=Path, help="a 1-step, lr ~0 run from the warm-start checkpoint: its val = tokens 0")
+    ap.add_argument("--prior", type=Path, help="a curve.json this script wrote: its points come first, the runs continue it")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     if args.families:
         return families(args.families, args.out, args.window)
     if not args.runs:
         ap.error("give a run directory, or --families DIR")
-    points, offset, starts = [], 0, []
-    for seg, run in enumerate(args.runs):
+    points = json.loads(args.prior.read_text()) if args.prior else []
+    first = max((p.get("segment", 0) for p in points), default=-1) + 1
+    offset = max((p["tokens"] for p in points), default=0)  # a segment ends with a validation at its last step
+    starts = [max(p["tokens"] for p in points if p.get("segment") == s - 1) for s in range(1, first)]
+    for seg, run in enumerate(args.runs, first):
         starts.append(offset)
-        seg_points = [dict(p, tokens=p["tokens"] + offset, segment=seg) for p in val_points(run)]
-        points += seg_points
+        points += [dict(p, tokens=p["tokens"] + offset, segment=seg) for p in val_points(run)]
         offset += last_tokens(run)
-    if args.baseline:
+    if args.baseline and not args.prior:
         base = val_points(args.baseline)[-1]
         points = [dict(base, tokens=0, step=0)] + points
     args.out.mkdir(parents=True, exist_ok=True)
@@ -130,11 +135,11 @@ def main() -> None:
     a1.legend(ncol=2, fontsize=8)
     a2.plot(xs, [p["loss"] for p in points], "o-", ms=3)
     a2.set_xlabel("fresh sequence tokens (M)")
-    for x in starts[1:]:  # a new segment: a warm start with a fresh optimizer and schedule
+    for x in [x for x in starts if x > 0]:  # a new segment: a warm start with a fresh optimizer and schedule
         for a in (a1, a2):
             a.axvline(x / 1e6, color="grey", lw=0.6, ls=":")
     a2.set_ylabel("val loss (per segment: its CE label may differ)")
-    fig.suptitle(f"the DSpark campaign on fresh data, {len(args.runs)} segment(s) (0 = the warm-start checkpoint)")
+    fig.suptitle(f"the DSpark campaign on fresh data, {first + len(args.runs)} segment(s) (0 = the warm-start checkpoint)")
     fig.tight_layout()
     fig.savefig(args.out / "curve.png", dpi=110)
     print("\n".join(rows))

@@ -6,7 +6,7 @@ segments), so any machine can build the next segment from the same sources witho
 
   segment  a dataset directory: the val records of the first --from (the val curve stays comparable
            from segment to segment), then every train record of each --from that the ledger does not
-           hold (DIR:N keeps a seeded sample of N of them), and the first source's draft vocabulary
+           hold and whose first prompt no --from holds out as val (DIR:N keeps a seeded sample of N of them), and the first source's draft vocabulary
            (--vocab-size; the target's own answers: original answers would pull in tokens it rarely emits).
   ledger   the ledger plus the records a run drew from its segment: the trainer visits a segment in a
            seeded order (training/checkpointing.py DataCursor), so seed, steps, batch size, gradient
@@ -44,6 +44,11 @@ def usable(rec: dict, max_seq_len: int) -> bool:
     return trainable(rec["input_ids"][:max_seq_len], rec["loss_mask"][:max_seq_len])
 
 
+def first_prompt(rec: dict) -> str | None:
+    """A record's first user turn: a two-turn answer to a val prompt is that val prompt seen in training."""
+    return next((m["content"] for m in rec["messages"] if m.get("role") == "user"), None)
+
+
 def ledger_records(path: Path | None) -> set[str]:
     """The "source:id" keys of the records drawn; an absent path is an empty ledger."""
     return read_ledger(path) if path and path.exists() else set()
@@ -74,15 +79,19 @@ def segment(args) -> int:
     ledger = ledger_records(args.ledger)
     sources = [(Path(d), int(n or 0)) for d, _, n in (s.partition(":") for s in args.sources)]
     val = load_records(sources[0][0], "val")
+    # Held out by first prompt, not by id: `regenerate --turns 2` gives a val prompt a new id once a second turn follows it.
+    held_out = {first_prompt(r) for src, _ in sources for r in load_records(src, "val")} - {None}
     rows, seen, summary = list(val), set(ledger), []
     for src, limit in sources:
         recs = [r for r in load_records(src, "train") if key(r) not in seen and usable(r, args.max_seq_len)]
+        n = len(recs)
+        recs = [r for r in recs if first_prompt(r) not in held_out]
         recs = list({key(r): r for r in recs}.values())  # a source may repeat a record (a copied dataset)
         if limit and len(recs) > limit:
             recs = random.Random(0).sample(recs, limit)
         seen |= {key(r) for r in recs}
         rows += recs
-        summary.append({"dir": str(src), "train": len(recs), "limit": limit or None})
+        summary.append({"dir": str(src), "train": len(recs), "limit": limit or None, "held_out": n - len(recs)})
     if len(rows) == len(val):
         print(f"error: the ledger holds every train record of {[str(s) for s, _ in sources]}: add a source "
               "(`selfdraft data regenerate` with a larger --limit, or `data original`)", file=sys.stderr)

@@ -488,8 +488,9 @@ def test_original_answers_import_is_masked_split_and_resumable(tmp_path, chat_ta
 
 
 def test_exclude_skips_the_prompts_a_campaign_ledger_holds(tmp_path):
-    """`data regenerate --exclude ledger.json`: prompts already trained on (by source:id) are not
-    answered again; others, and the same prompt from another source, are kept; a bad ledger is exit 2."""
+    """`data regenerate --exclude ledger.json --exclude DIR`: prompts already trained on (by source:id), or
+    answered in another dataset, are not answered again; others, and the same prompt from another source,
+    are kept; a bad ledger is exit 2."""
     from typer.testing import CliRunner
 
     from selfdraft.cli import app
@@ -501,6 +502,12 @@ def test_exclude_skips_the_prompts_a_campaign_ledger_holds(tmp_path):
     ledger.write_text(json.dumps({"records": [f"sharegpt:{ps[0].id}", f"sharegpt:{ps[2].id}"]}))
     kept, dropped = drop_trained(ps + [other], read_ledger(ledger))
     assert [p.turns for p in kept] == [["b"], ["a"]] and kept[1].source == "other.jsonl" and dropped == 2
+    # a dataset directory holds the prompts answered (not yet trained on): its keys exclude them too
+    ShardWriter(tmp_path / "answered").write([{"id": ps[1].id, "source": "sharegpt", "split": "train",
+                                               "messages": [], "input_ids": [1, 2], "loss_mask": [0, 1]}])
+    assert read_ledger(tmp_path / "answered") == {f"sharegpt:{ps[1].id}"}
+    kept, dropped = drop_trained(ps, read_ledger(ledger) | read_ledger(tmp_path / "answered"))
+    assert kept == [] and dropped == 3
     src = write_jsonl(tmp_path / "p.jsonl", [json.dumps({"turns": ["Say hi."]})])
     for bad in (tmp_path / "missing.json", write_jsonl(tmp_path / "bad.json", ["[1, 2]"])):
         res = CliRunner().invoke(app, ["data", "regenerate", str(src), "--out", str(tmp_path / "d"), "--exclude", str(bad)])

@@ -297,7 +297,8 @@ def test_train_options_are_the_config_fields(monkeypatch, tmp_path):
 
 def test_campaign_ledger_replays_exactly_what_the_run_drew(toy_method, tiny_target, data, tmp_path, monkeypatch):
     """scripts/campaign_data.py: the records a run drew, replayed from its provenance (seed, steps, batch,
-    accumulation), are the ones the trainer batched; the next segment holds every other train record."""
+    accumulation), are the ones the trainer batched; the next segment holds every other train record but
+    those that open with a val prompt (a second turn gives a val prompt a new id)."""
     import importlib.util
     import sys
 
@@ -317,13 +318,18 @@ def test_campaign_ledger_replays_exactly_what_the_run_drew(toy_method, tiny_targ
     monkeypatch.setattr(sys, "argv", ["campaign_data.py", "ledger", "--run", str(tmp_path / "run"), "--out", str(ledger)])
     assert cd.main() == 0
     (data / "manifest.json").write_text(json.dumps({"target": {"vocab_size": 96}}))
-    monkeypatch.setattr(sys, "argv", ["campaign_data.py", "segment", "--from", str(data), "--ledger", str(ledger),
-                                      "--vocab-size", "8", "--out", str(tmp_path / "seg")])
-    assert cd.main() == 0
-    from selfdraft.training.records import load_records
+    from selfdraft.training.records import ShardWriter, load_records
 
+    # a second source answered two turns: the one that opens with a val prompt must stay out of training
+    val_prompt = load_records(data, "val")[0]["messages"][0]["content"]
+    two = [{**load_records(data, "train")[0], "id": f"t{i}", "messages": [{"role": "user", "content": u} for u in (first, "and?")]}
+           for i, first in enumerate((val_prompt, "a new prompt"))]
+    ShardWriter(tmp_path / "turns2").write(two)
+    monkeypatch.setattr(sys, "argv", ["campaign_data.py", "segment", "--from", str(data), "--from", str(tmp_path / "turns2"),
+                                      "--ledger", str(ledger), "--vocab-size", "8", "--out", str(tmp_path / "seg")])
+    assert cd.main() == 0
     left = load_records(tmp_path / "seg", "train")
-    assert len(left) == 4 and not {r["id"] for r in left} & {r["id"] for r in recs}
+    assert len(left) == 5 and not {r["id"] for r in left} & {r["id"] for r in recs} and "t0" not in {r["id"] for r in left}
     assert [r["id"] for r in load_records(tmp_path / "seg", "val")] == [r["id"] for r in load_records(data, "val")]
 
 

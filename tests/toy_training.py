@@ -110,7 +110,7 @@ def write_dataset(data_dir: Path, n_train: int = 24, n_val: int = 4, vocab: int 
         start = int(torch.randint(vocab, (1,), generator=g))
         ids = [(start + 3 * t) % vocab for t in range(n)]
         rec = {"id": f"r{i}", "split": "train" if i < n_train else "val", "source": "toy",
-               "messages": [{"role": "user", "content": "count"}], "input_ids": ids, "loss_mask": [0] * 4 + [1] * (n - 4)}
+               "messages": [{"role": "user", "content": f"count from {start}"}], "input_ids": ids, "loss_mask": [0] * 4 + [1] * (n - 4)}
         lines.append(json.dumps(rec))
     (data_dir / "shard-00000.jsonl").write_text("\n".join(lines) + "\n")
     return data_dir

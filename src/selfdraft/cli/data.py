@@ -65,8 +65,9 @@ def data_regenerate(
     batch_size: int = typer.Option(16, "--batch-size", "-b"),
     val_fraction: float = typer.Option(0.02, "--val-fraction"),
     seed: int = typer.Option(0, "--seed"),
-    exclude: Optional[Path] = typer.Option(None, "--exclude", help="a campaign ledger (ledger.json): skip the prompts "
-                                           "it holds, so every answer is fresh (--limit still counts them)"),
+    exclude: list[Path] = typer.Option([], "--exclude", help="a campaign ledger (ledger.json) or a dataset directory "
+                                       "(repeatable): skip the prompts it holds, so every answer is fresh (--limit "
+                                       "still counts them)"),
     threads: int = ThreadsOpt,
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
@@ -78,7 +79,7 @@ def data_regenerate(
     from selfdraft.training.regenerate import RegenConfig, recommended_sampling, regenerate
     from selfdraft.training.sources import drop_trained, read_ledger
 
-    held = read_ledger(exclude) if exclude else set()  # a bad ledger fails before the target loads
+    held = set().union(*(read_ledger(p) for p in exclude))  # a bad ledger fails before the target loads
     set_threads(threads)
     tgt = Target.load(target, dtype=dtype, device=device)
     rec = {"temperature": 0.7, "top_p": 0.9, **recommended_sampling(tgt)}
@@ -90,10 +91,10 @@ def data_regenerate(
     )
     chosen, stats = _select_prompts(tgt, sources, num_turns, val_fraction, max_prompt_tokens, limit)
     chosen, dropped = drop_trained(chosen, held)
-    print(f"prompts: {json.dumps(stats.as_dict())}" + (f", {dropped} skipped (in {exclude})" if exclude else ""),
+    print(f"prompts: {json.dumps(stats.as_dict())}" + (f", {dropped} skipped (in {', '.join(map(str, exclude))})" if exclude else ""),
           file=sys.stderr)
     provenance = {"command": shlex.join(["selfdraft", *sys.argv[1:]]), "sources": list(sources),
-                  "limit": limit, "exclude": str(exclude) if exclude else None, "excluded": dropped,
+                  "limit": limit, "exclude": [str(p) for p in exclude], "excluded": dropped,
                   "val_fraction": val_fraction, "prompt_stats": stats.as_dict(),
                   "dtype": dtype, "threads": threads, "device": str(tgt.device)}
     summary = regenerate(tgt, chosen, out, cfg, provenance=provenance)

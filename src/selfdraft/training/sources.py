@@ -273,12 +273,19 @@ def ledger_key(source: str, pid: str) -> str:
 
 
 def read_ledger(path: Path) -> set[str]:
-    """The keys of a campaign ledger (`ledger.json`: every record the committed weights trained on)."""
+    """The keys of a campaign ledger (`ledger.json`: every record the committed weights trained on), or of
+    every record a `data regenerate` directory holds (answers not trained on yet, but paid for)."""
+    path = Path(path)
+    if path.is_dir():
+        from selfdraft.training.records import iter_records
+
+        return {ledger_key(r["source"], r["id"]) for r in iter_records(path)}
     try:
-        return set(json.loads(Path(path).read_text())["records"])
+        return set(json.loads(path.read_text())["records"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise DataError(f"{path}: not a readable campaign ledger (a JSON object with a \"records\" list of "
-                        f"\"source:id\" keys, e.g. checkpoints/dspark-campaign/ledger.json): {e}") from None
+                        f"\"source:id\" keys, e.g. checkpoints/dspark-campaign/ledger.json) nor a dataset "
+                        f"directory: {e}") from None
 
 
 def drop_trained(prompts: list[Prompt], held: set[str]) -> tuple[list[Prompt], int]:
