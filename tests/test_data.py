@@ -490,11 +490,11 @@ def test_original_answers_import_is_masked_split_and_resumable(tmp_path, chat_ta
 def test_exclude_skips_the_prompts_a_campaign_ledger_holds(tmp_path):
     """`data regenerate --exclude ledger.json --exclude DIR`: prompts already trained on (by source:id), or
     answered in another dataset, are not answered again; others, and the same prompt from another source,
-    are kept; a bad ledger is exit 2."""
+    are kept; `--part 0/2` and `1/2` split the rest between two processes; a bad ledger or part is exit 2."""
     from typer.testing import CliRunner
 
     from selfdraft.cli import app
-    from selfdraft.training.sources import drop_trained, read_ledger
+    from selfdraft.training.sources import drop_trained, read_ledger, take_part
 
     ps = [Prompt(prompt_id([t]), "sharegpt", [t], "train") for t in ("a", "b", "c")]
     other = Prompt(ps[0].id, "other.jsonl", ["a"], "train")
@@ -508,7 +508,12 @@ def test_exclude_skips_the_prompts_a_campaign_ledger_holds(tmp_path):
     assert read_ledger(tmp_path / "answered") == {f"sharegpt:{ps[1].id}"}
     kept, dropped = drop_trained(ps, read_ledger(ledger) | read_ledger(tmp_path / "answered"))
     assert kept == [] and dropped == 3
+    parts = [take_part(ps, f"{i}/2") for i in (0, 1)]
+    assert sorted(p.id for part in parts for p in part) == sorted(p.id for p in ps) and not {p.id for p in parts[0]} & {p.id for p in parts[1]}
     src = write_jsonl(tmp_path / "p.jsonl", [json.dumps({"turns": ["Say hi."]})])
+    for bad_part in ("2/2", "1", "a/b"):
+        res = CliRunner().invoke(app, ["data", "regenerate", str(src), "--out", str(tmp_path / "d"), "--part", bad_part])
+        assert res.exit_code == 2 and "--part takes I/N" in res.output, res.output
     for bad in (tmp_path / "missing.json", write_jsonl(tmp_path / "bad.json", ["[1, 2]"])):
         res = CliRunner().invoke(app, ["data", "regenerate", str(src), "--out", str(tmp_path / "d"), "--exclude", str(bad)])
         assert res.exit_code == 2 and "campaign ledger" in res.output, res.output

@@ -68,6 +68,8 @@ def data_regenerate(
     exclude: list[Path] = typer.Option([], "--exclude", help="a campaign ledger (ledger.json) or a dataset directory "
                                        "(repeatable): skip the prompts it holds, so every answer is fresh (--limit "
                                        "still counts them)"),
+    part: Optional[str] = typer.Option(None, "--part", help="I/N: answer every N-th prompt from the I-th, so N "
+                                       "processes (each its own --out) share one selection"),
     threads: int = ThreadsOpt,
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
@@ -77,9 +79,10 @@ def data_regenerate(
 
     from selfdraft.target import Target
     from selfdraft.training.regenerate import RegenConfig, recommended_sampling, regenerate
-    from selfdraft.training.sources import drop_trained, read_ledger
+    from selfdraft.training.sources import drop_trained, read_ledger, take_part
 
-    held = set().union(*(read_ledger(p) for p in exclude))  # a bad ledger fails before the target loads
+    take_part([], part or "0/1")  # a bad --part or ledger fails before the target loads
+    held = set().union(*(read_ledger(p) for p in exclude))
     set_threads(threads)
     tgt = Target.load(target, dtype=dtype, device=device)
     rec = {"temperature": 0.7, "top_p": 0.9, **recommended_sampling(tgt)}
@@ -91,10 +94,11 @@ def data_regenerate(
     )
     chosen, stats = _select_prompts(tgt, sources, num_turns, val_fraction, max_prompt_tokens, limit)
     chosen, dropped = drop_trained(chosen, held)
+    chosen = take_part(chosen, part or "0/1")
     print(f"prompts: {json.dumps(stats.as_dict())}" + (f", {dropped} skipped (in {', '.join(map(str, exclude))})" if exclude else ""),
           file=sys.stderr)
     provenance = {"command": shlex.join(["selfdraft", *sys.argv[1:]]), "sources": list(sources),
-                  "limit": limit, "exclude": [str(p) for p in exclude], "excluded": dropped,
+                  "limit": limit, "exclude": [str(p) for p in exclude], "excluded": dropped, "part": part,
                   "val_fraction": val_fraction, "prompt_stats": stats.as_dict(),
                   "dtype": dtype, "threads": threads, "device": str(tgt.device)}
     summary = regenerate(tgt, chosen, out, cfg, provenance=provenance)
