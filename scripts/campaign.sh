@@ -12,8 +12,9 @@
 #     --batch-size 32 --threads 1 --dtype bfloat16 --seed 3     (rerun it to finish before a segment is built);
 # the single-turn ShareGPT prompts (13,968 usable) are all answered by regen-v1/v3/v4; the next pool is their
 # second turns (11,948 conversations have one), each answered after the target's own first answer:
-#   selfdraft data regenerate sharegpt --turns 2 --out work/data/regen-v5 --exclude checkpoints/dspark-campaign/ledger.json \
+#   selfdraft data regenerate sharegpt --turns 2 --part 0/2 --out work/data/regen-v5a --exclude checkpoints/dspark-campaign/ledger.json \
 #     --exclude work/data/regen-v3 --exclude work/data/regen-v4 --batch-size 32 --threads 1 --dtype bfloat16 --seed 3
+# (and --part 1/2 --out work/data/regen-v5b on the other core);
 # and MAXLEN=1024 trains on both answers (a two-turn conversation runs to 512 + 257 tokens; the default cuts at 512);
 # ORIGINAL=N adds N original ShareGPT answers (`data original`, no generation; they lowered the target's
 # acceptance at 150k and at 1.2M tokens, BENCHMARKS.md: the campaign's data is the target's own answers).
