@@ -508,8 +508,10 @@ def test_exclude_skips_the_prompts_a_campaign_ledger_holds(tmp_path):
     assert read_ledger(tmp_path / "answered") == {f"sharegpt:{ps[1].id}"}
     kept, dropped = drop_trained(ps, read_ledger(ledger) | read_ledger(tmp_path / "answered"))
     assert kept == [] and dropped == 3
-    parts = [take_part(ps, f"{i}/2") for i in (0, 1)]
-    assert sorted(p.id for part in parts for p in part) == sorted(p.id for p in ps) and not {p.id for p in parts[0]} & {p.id for p in parts[1]}
+    many = [Prompt(prompt_id([str(i)]), "sharegpt", [str(i)], "train") for i in range(40)]
+    parts = [take_part(many, f"{i}/2") for i in (0, 1)]
+    assert sorted(p.id for part in parts for p in part) == sorted(p.id for p in many) and not {p.id for p in parts[0]} & {p.id for p in parts[1]}
+    assert parts[0] and parts[1] and take_part(many[5:], "1/2") == [p for p in parts[1] if p in many[5:]]  # a part stays put
     src = write_jsonl(tmp_path / "p.jsonl", [json.dumps({"turns": ["Say hi."]})])
     for bad_part in ("2/2", "1", "a/b"):
         res = CliRunner().invoke(app, ["data", "regenerate", str(src), "--out", str(tmp_path / "d"), "--part", bad_part])

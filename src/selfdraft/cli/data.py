@@ -68,7 +68,7 @@ def data_regenerate(
     exclude: list[Path] = typer.Option([], "--exclude", help="a campaign ledger (ledger.json) or a dataset directory "
                                        "(repeatable): skip the prompts it holds, so every answer is fresh (--limit "
                                        "still counts them)"),
-    part: Optional[str] = typer.Option(None, "--part", help="I/N: answer every N-th prompt from the I-th, so N "
+    part: Optional[str] = typer.Option(None, "--part", help="I/N: answer the prompts whose id is I modulo N, so N "
                                        "processes (each its own --out) share one selection"),
     threads: int = ThreadsOpt,
     dtype: str = DtypeOpt,
