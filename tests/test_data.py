@@ -218,43 +218,6 @@ def test_batched_sampling_equals_one_by_one():
     assert any(r[-1] == 7 for r in together)  # some rows really finish early and leave the batch
 
 
-def test_a_stopped_batch_continues_where_it_stopped():
-    """sample_batch(stop_below=k) returns live rows part-way; sampling them on from prompt + partial with
-    what is left of their budget gives exactly the uninterrupted rows (greedy, fp32); per-row limits hold."""
-    target = Target(tiny_llama(vocab=64, layers=2))
-    target.eos_ids = {10, 46, 55}  # rows end after 3, 3, 9, 9, 11 tokens, one never
-    prompts = [[5, 9, 11], [3] * 9, [20, 21], [1, 2, 3, 4, 5, 6], [30], [40, 41, 42]]
-    whole = sample_batch(target, prompts, SamplingParams(), 12)
-    part = sample_batch(target, prompts, SamplingParams(), 12, stop_below=4)
-    stopped = [i for i, r in enumerate(part) if len(r) < 12 and r[-1] not in target.eos_ids]
-    assert stopped and any(r[-1] in target.eos_ids for r in part)  # some rows finished, some were stopped part-way
-    rest = sample_batch(target, [prompts[i] + part[i] for i in stopped], SamplingParams(), [12 - len(part[i]) for i in stopped])
-    for i, r in zip(stopped, rest):
-        part[i] += r
-    assert part == whole
-    target.eos_ids = {63}
-    assert [len(r) for r in sample_batch(target, [[1], [2]], SamplingParams(), [3, 5])] == [3, 5]
-
-
-@needs_tokenizer
-def test_refilled_batches_answer_as_one_conversation_at_a_time(tmp_path, tokenizer, monkeypatch):
-    """Two-turn conversations in refilled batches (stopped tails carried over, next turns queued beside new
-    ones) get the answers each gets alone (greedy, fp32): refilling changes the cost, never a token."""
-    import selfdraft.training.regenerate as regen
-
-    chat_target = Target(tiny_llama(vocab=len(tokenizer), hidden=64, layers=2, max_pos=512), tokenizer, "tiny-chat")
-    chat_target.eos_ids = {tokenizer.eos_token_id} | set(range(0, len(tokenizer), 13))  # answers of 2 to 24 tokens
-    prompts = prompt_file(tmp_path, 32)
-    greedy = dict(temperature=0.0, max_new_tokens=24, num_turns=2, shard_size=100)
-    alone = [regen.answer_batch(chat_target, [p], RegenConfig(batch_size=1, **greedy))[0][0] for p in prompts]
-    calls, real = [], regen.sample_batch
-    monkeypatch.setattr(regen, "sample_batch", lambda t, ps, *a, **k: calls.append(out := real(t, ps, *a, **k)) or out)
-    together, _ = regen.answer_batch(chat_target, prompts, RegenConfig(batch_size=8, **greedy))
-    assert together == alone
-    stops = [r for out in calls for r in out if len(r) < 24 and r[-1] not in chat_target.eos_ids]
-    assert len(calls) > 4 and stops, "no batch was stopped and refilled: the test would not test refilling"
-
-
 def prompt_file(tmp_path: Path, n: int) -> list[Prompt]:
     src = write_jsonl(tmp_path / "prompts.jsonl", [json.dumps({"turns": [f"Question number {i}?" + " more" * (i % 4),
                                                                           f"Follow-up {i}"]}) for i in range(n)])
@@ -265,7 +228,7 @@ def prompt_file(tmp_path: Path, n: int) -> list[Prompt]:
 @needs_tokenizer
 def test_resume_after_kill_loses_and_duplicates_nothing(tmp_path, chat_target):
     prompts = prompt_file(tmp_path, 7)
-    cfg = RegenConfig(max_new_tokens=4, batch_size=2, wave=1, shard_size=3, num_turns=2)  # a wave = 2 conversations
+    cfg = RegenConfig(max_new_tokens=4, batch_size=2, shard_size=3, num_turns=2)
     reference = regenerate(chat_target, prompts, tmp_path / "ref", cfg, progress=False)
     assert reference.written == 7
 
@@ -475,7 +438,7 @@ def test_a_killed_regeneration_run_stays_in_manifest_runs(tmp_path, chat_target,
     import selfdraft.training.regenerate as data_mod
 
     prompts = prompt_file(tmp_path, 6)
-    cfg = RegenConfig(max_new_tokens=3, batch_size=2, wave=1, shard_size=3, num_turns=1)
+    cfg = RegenConfig(max_new_tokens=3, batch_size=2, shard_size=3, num_turns=1)
     real, calls = data_mod.answer_batch, []
 
     def dies_on_third(*args, **kwargs):

@@ -8,7 +8,6 @@ import json
 import resource
 import time
 import warnings
-from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -30,16 +29,15 @@ class RegenConfig:
     max_new_tokens: int = 256
     max_prompt_tokens: int = 512  # longer (templated) prompts are filtered; also caps later-turn contexts
     num_turns: int = 1  # answer up to this many user turns, each with the target's own earlier answers
-    batch_size: int = 16  # rows sampled together (left padded, sorted by prompt length)
-    wave: int = 4  # batches' worth of conversations answered as one unit: finished rows are refilled from it
+    batch_size: int = 16  # prompts sampled together (left padded, sorted by prompt length)
     shard_size: int = 1000  # records per JSONL shard
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise ConfigError("need temperature >= 0, top_p in (0, 1] and top_k >= 0")
-        if min(self.max_new_tokens, self.max_prompt_tokens, self.num_turns, self.batch_size, self.wave, self.shard_size) < 1:
-            raise ConfigError("max_new_tokens, max_prompt_tokens, num_turns, batch_size, wave and shard_size must be >= 1")
+        if min(self.max_new_tokens, self.max_prompt_tokens, self.num_turns, self.batch_size, self.shard_size) < 1:
+            raise ConfigError("max_new_tokens, max_prompt_tokens, num_turns, batch_size and shard_size must be >= 1")
 
     def sampling(self) -> dict:
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
@@ -54,21 +52,43 @@ def recommended_sampling(target) -> dict:
     return {k: getattr(gc, k) for k in ("temperature", "top_p") if getattr(gc, k, None) is not None}
 
 
+@dataclass
+class Answer:
+    text: str  # decoded content (special tokens dropped)
+    content_ids: list[int]  # sampled ids before the end-of-turn token
+    finished: bool  # the target emitted end-of-turn (else cut by max_new_tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        """Generated tokens, incl. the end-of-turn token when finished."""
+        return len(self.content_ids) + self.finished
+
+
+def generate_answers(
+    target, prompts: list[list[int]], cfg: RegenConfig, generator: torch.Generator | None = None
+) -> list[Answer]:
+    """Answer a batch of templated prompts (token ids ending in the assistant header) together."""
+    params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+    answers = []
+    for row in sample_batch(target, prompts, params, cfg.max_new_tokens, generator):
+        finished = bool(row) and row[-1] in target.eos_ids
+        content = row[:-1] if finished else row
+        answers.append(Answer(target.tokenizer.decode(content, skip_special_tokens=True), content, finished))
+    return answers
+
+
 @torch.inference_mode()
 def sample_batch(
-    target, prompts: list[list[int]], params: SamplingParams, max_new_tokens: int | list[int],
-    generator: torch.Generator | None = None, stop_below: int = 0,
+    target, prompts: list[list[int]], params: SamplingParams, max_new_tokens: int,
+    generator: torch.Generator | None = None,
 ) -> list[list[int]]:
     """Sample continuations of B prompts together: left padding + attention mask + one KV cache.
 
     Returns per prompt the generated ids, ending at (and including) the first end-of-turn token
-    or after its max_new_tokens (one for all, or one per row). Finished rows leave the batch (cache
-    rows dropped), so long answers do not make short ones pay. stop_below: stop as soon as fewer rows
-    are live, returning the unfinished ones part-way (the caller refills the batch and carries them on).
-    (HF `generate` measured several times slower per token on CPU.)
+    or after max_new_tokens. Finished rows leave the batch (cache rows dropped), so long answers
+    do not make short ones pay. (HF `generate` measured several times slower per token on CPU.)
     """
     B, width = len(prompts), max(len(p) for p in prompts)
-    limit = torch.tensor(max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * B)  # [B]
     ids = torch.zeros((B, width), dtype=torch.long)  # [B, L] left padded
     mask = torch.zeros((B, width), dtype=torch.long)  # [B, L] 1 on real tokens
     for row, p in enumerate(prompts):
@@ -81,13 +101,13 @@ def sample_batch(
     alive = torch.arange(B)  # [B'] original row of each live batch row
     next_pos = mask.sum(-1)  # [B'] position of the token sampled next
     eos = torch.tensor(sorted(target.eos_ids), dtype=torch.long)
-    for n in range(1, int(limit.max()) + 1):
+    for _ in range(max_new_tokens):
         # [B'] on the host (one copy per token): the bookkeeping below (alive rows, masks, EOS) is host-side
         tok = sample_logits(step.logits[:, -1], params, generator).cpu()
         for row, t in zip(alive.tolist(), tok.tolist()):
             out[row].append(t)
-        keep = ~torch.isin(tok, eos) & (limit[alive] > n)  # [B']
-        if int(keep.sum()) < max(stop_below, 1):
+        keep = ~torch.isin(tok, eos)  # [B']
+        if len(out[alive[0]]) == max_new_tokens or not keep.any():
             break
         if not keep.all():
             cache.batch_select_indices(keep.nonzero().squeeze(-1))
@@ -98,72 +118,39 @@ def sample_batch(
     return out
 
 
-@dataclass
-class _Turn:
-    """One answer in the making: a conversation's templated context and what is sampled so far."""
-
-    conv: int  # index of the conversation in the wave
-    msgs: list[dict]  # the conversation up to this turn's user message
-    ids: list[int]  # msgs templated, ending in the assistant header
-    partial: list[int]  # ids sampled so far (an answer carried over from a stopped batch)
-
-
 def answer_batch(
     target, prompts: list[Prompt], cfg: RegenConfig, generator: torch.Generator | None = None
 ) -> tuple[list[dict], int]:
-    """Regenerate the conversations of a wave turn by turn -> (records, generated tokens).
+    """Regenerate the conversations of a batch turn by turn -> (records, generated tokens).
 
     Later turns are prompted with the target's own earlier answers, as the exact ids it sampled.
     A conversation stops early when an answer is cut by max_new_tokens (continuing after a
     truncated answer would train on a context the target never produces) or when its context
-    gets too long. Rows run cfg.batch_size at a time; while turns wait, a batch stops when fewer than
-    a quarter of its rows still sample, and its unfinished answers go on in the next batch beside the
-    waiting turns (their ids so far prefilled again): a CPU decode step of a few rows costs about half
-    one of 32, so the tail of a batch was the dearest part of regeneration (docs/data.md).
+    gets too long.
     """
-    tok, params = target.tokenizer, SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+    tok = target.tokenizer
     convs: list[list[dict]] = [[] for _ in prompts]
     sampled: list[dict[int, list[int]]] = [{} for _ in prompts]
-    cut = [False] * len(prompts)
-
-    def next_turn(c: int) -> _Turn | None:
-        turn = sum(m["role"] == "user" for m in convs[c])
-        if turn >= min(len(prompts[c].turns), cfg.num_turns) or cut[c]:
-            return None
-        msgs = convs[c] + [{"role": "user", "content": prompts[c].turns[turn]}]
-        ids = tokenize_conversation(tok, msgs, sampled[c], generation_prompt=True).input_ids
-        return _Turn(c, msgs, ids, []) if turn == 0 or _fits(target, ids, cfg) else None
-
-    waiting = deque(t for c in range(len(prompts)) if (t := next_turn(c)))
-    running: list[_Turn] = []
+    open_last = [False] * len(prompts)
     generated = 0
-    while waiting or running:
-        # 1. fill the batch: answers carried over first, then waiting turns (a next turn waits at the front)
-        while len(running) < cfg.batch_size and waiting:
-            running.append(waiting.popleft())
-        # 2. sample; a stopped batch returns its unfinished answers part-way
-        outs = sample_batch(target, [t.ids + t.partial for t in running], params,
-                            [cfg.max_new_tokens - len(t.partial) for t in running], generator,
-                            stop_below=cfg.batch_size // 4 if waiting else 0)
-        # 3. close the finished answers and queue their conversations' next turns; carry the rest
-        carried, follow = [], []
-        for t, new in zip(running, outs):
-            t.partial += new
-            generated += len(new)
-            finished = bool(t.partial) and t.partial[-1] in target.eos_ids
-            if not finished and len(t.partial) < cfg.max_new_tokens:
-                carried.append(t)
-                continue
-            content = t.partial[:-1] if finished else t.partial
-            convs[t.conv] = t.msgs + [{"role": "assistant", "content": tok.decode(content, skip_special_tokens=True)}]
-            sampled[t.conv][len(convs[t.conv]) - 1] = content
-            cut[t.conv] = not finished
-            follow += [n for n in [next_turn(t.conv)] if n]
-        running = carried
-        waiting.extendleft(reversed(follow))
+    for turn in range(cfg.num_turns):
+        todo = {}
+        for i, p in enumerate(prompts):
+            if turn < len(p.turns) and not open_last[i]:
+                msgs = convs[i] + [{"role": "user", "content": p.turns[turn]}]
+                ids = tokenize_conversation(tok, msgs, sampled[i], generation_prompt=True).input_ids
+                if turn == 0 or _fits(target, ids, cfg):
+                    todo[i] = (msgs, ids)
+        if not todo:
+            break
+        for i, ans in zip(todo, generate_answers(target, [ids for _, ids in todo.values()], cfg, generator)):
+            convs[i] = todo[i][0] + [{"role": "assistant", "content": ans.text}]
+            sampled[i][len(convs[i]) - 1] = ans.content_ids
+            open_last[i] = not ans.finished
+            generated += ans.num_tokens
     records = []
-    for p, msgs, ids, open_last in zip(prompts, convs, sampled, cut):
-        conv = tokenize_conversation(tok, msgs, ids, open_last=open_last)
+    for p, msgs, ids, cut in zip(prompts, convs, sampled, open_last):
+        conv = tokenize_conversation(tok, msgs, ids, open_last=cut)
         records.append({"id": p.id, "split": p.split, "source": p.source, "messages": msgs,
                         "input_ids": conv.input_ids, "loss_mask": conv.loss_mask})
     return records, generated
@@ -209,8 +196,7 @@ def regenerate(
     pending = [p for p in prompts if p.id not in writer.done]
     lengths = {p.id: len(target.encode_prompt(p.turns[0])) for p in pending}
     pending.sort(key=lambda p: (lengths[p.id], p.id))
-    wave = cfg.batch_size * cfg.wave
-    batches = [pending[i : i + wave] for i in range(0, len(pending), wave)]
+    batches = [pending[i : i + cfg.batch_size] for i in range(0, len(pending), cfg.batch_size)]
     t0, generated, written = time.perf_counter(), 0, 0
     bar = progress_bar(total=len(pending), desc="regenerate", unit="conv", disable=not progress)
     for b, batch in enumerate(batches):
