@@ -6,8 +6,9 @@ segments), so any machine can build the next segment from the same sources witho
 
   segment  a dataset directory: the val records of the first --from (the val curve stays comparable
            from segment to segment), then every train record of each --from that the ledger does not
-           hold and whose first prompt no --from holds out as val (DIR:N keeps a seeded sample of N of them), and the first source's draft vocabulary
-           (--vocab-size; the target's own answers: original answers would pull in tokens it rarely emits).
+           hold and whose first prompt no --from holds out as val (DIR:N keeps a seeded sample of N of
+           them), and the first source's draft vocabulary (--vocab-size; the target's own answers:
+           original answers would pull in tokens it rarely emits).
   ledger   the ledger plus the records a run drew from its segment: the trainer visits a segment in a
            seeded order (training/checkpointing.py DataCursor), so seed, steps, batch size, gradient
            accumulation and world size in the run's provenance say exactly which records it drew.
@@ -80,7 +81,8 @@ def segment(args) -> int:
     sources = [(Path(d), int(n or 0)) for d, _, n in (s.partition(":") for s in args.sources)]
     val = load_records(sources[0][0], "val")
     # Held out by first prompt, not by id: `regenerate --turns 2` gives a val prompt a new id once a second turn follows it.
-    held_out = {first_prompt(r) for src, _ in sources for r in load_records(src, "val")} - {None}
+    held_out = {first_prompt(r) for r in val} | {first_prompt(r) for src, _ in sources[1:] for r in load_records(src, "val")}
+    held_out.discard(None)
     rows, seen, summary = list(val), set(ledger), []
     for src, limit in sources:
         recs = [r for r in load_records(src, "train") if key(r) not in seen and usable(r, args.max_seq_len)]

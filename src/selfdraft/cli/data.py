@@ -79,9 +79,10 @@ def data_regenerate(
 
     from selfdraft.target import Target
     from selfdraft.training.regenerate import RegenConfig, recommended_sampling, regenerate
-    from selfdraft.training.sources import drop_trained, read_ledger, take_part
+    from selfdraft.training.sources import drop_trained, parse_part, read_ledger, take_part
 
-    take_part([], part or "0/1")  # a bad --part or ledger fails before the target loads
+    part = part or "0/1"
+    parse_part(part)  # a bad --part or ledger fails before the target loads
     held = set().union(*(read_ledger(p) for p in exclude))
     set_threads(threads)
     tgt = Target.load(target, dtype=dtype, device=device)
@@ -94,7 +95,7 @@ def data_regenerate(
     )
     chosen, stats = _select_prompts(tgt, sources, num_turns, val_fraction, max_prompt_tokens, limit)
     chosen, dropped = drop_trained(chosen, held)
-    chosen = take_part(chosen, part or "0/1")
+    chosen = take_part(chosen, part)
     print(f"prompts: {json.dumps(stats.as_dict())}" + (f", {dropped} skipped (in {', '.join(map(str, exclude))})" if exclude else ""),
           file=sys.stderr)
     provenance = {"command": shlex.join(["selfdraft", *sys.argv[1:]]), "sources": list(sources),

@@ -300,8 +300,13 @@ def take_part(prompts: list[Prompt], part: str) -> list[Prompt]:
     --out, answer disjoint parts of one selection (a second core doubles the data rate; one process
     with 2 threads gains ~10 %). By id, not by place: a part stays the same when a grown ledger or
     another --exclude drops prompts from the selection."""
+    i, n = parse_part(part)
+    return [p for p in prompts if int(p.id, 16) % n == i]
+
+
+def parse_part(part: str) -> tuple[int, int]:
+    """"I/N" -> (I, N), 0 <= I < N."""
     i, _, n = part.partition("/")
     if not (i.isdigit() and n.isdigit() and int(i) < int(n)):
         raise ConfigError(f"--part takes I/N with 0 <= I < N (e.g. 0/2 and 1/2 for two processes), got {part!r}")
-    return [p for p in prompts if int(p.id, 16) % int(n) == int(i)]
-
+    return int(i), int(n)
