@@ -141,7 +141,7 @@ def test_bad_files_give_one_line_naming_the_file_and_exit_2(case, tmp_path, monk
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in res.output, res.output
     assert str(path) in lines[0] and says in lines[0], lines[0]
     assert not (tmp_path / "cache" / "targets").exists() or not any(
-        p.name.endswith(".partial") for p in (tmp_path / "cache" / "targets").iterdir())
+        ".partial" in p.name for p in (tmp_path / "cache" / "targets").iterdir())
 
 
 def test_cli_temperature_too_small_for_float32_decodes_greedily_and_nan_exits_2(tmp_path):
@@ -219,3 +219,45 @@ def test_no_command_catches_errors_itself():
                 if caught & names:
                     bad.append(f"{f.name}:{node.lineno}")
     assert not bad, bad
+
+
+def test_two_processes_converting_one_gguf_at_once_both_get_a_complete_directory(tmp_path, monkeypatch):
+    """Two `data regenerate --part` processes on a new machine convert the embedded GGUF at the same moment:
+    each writes a private copy, so neither reads a directory the other is still writing or renaming."""
+    import threading
+
+    import selfdraft.target as tg
+    from tests.test_serve import char_tokenizer
+
+    monkeypatch.setenv("SELFDRAFT_CACHE", str(tmp_path / "cache"))
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF" + bytes(64))
+    both_saved = threading.Barrier(2, timeout=60)
+
+    class Tok:  # a tokenizer whose save waits until both models are on disk: the interleaving that raced
+        @staticmethod
+        def from_pretrained(*a, **k):
+            tok = char_tokenizer()
+            save = tok.save_pretrained
+            tok.save_pretrained = lambda d: (both_saved.wait(), save(d))
+            return tok
+
+    monkeypatch.setattr(tg.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: tiny_llama(vocab=40, seed=0))
+    monkeypatch.setattr(tg, "AutoTokenizer", Tok)
+    got, errors = [], []
+
+    def convert():
+        try:
+            got.append(tg._converted_gguf_dir(f, cache_name="same"))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=convert) for _ in range(2)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert not errors, errors
+    out = tmp_path / "cache" / "targets" / "same"
+    assert got == [out, out]
+    assert {"model.safetensors", "config.json", "selfdraft_converted.json"} <= {p.name for p in out.iterdir()}
+    assert [p.name for p in out.parent.iterdir()] == ["same"]  # no temporary copy left behind
+    Target.load(str(out))

@@ -16,7 +16,9 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -438,15 +440,24 @@ def _converted_gguf_dir(gguf: Path, cache_name: str | None = None) -> Path:
     model.hf_quantizer = None  # save_pretrained refuses GGUF-quantised models otherwise
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tmp = out.with_name(out.name + ".partial")
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    (tmp / "selfdraft_converted.json").write_text(json.dumps({"source": str(gguf), "seconds": time.time() - t0}))
-    if out.exists():  # a stale incomplete dir from a killed run
-        import shutil
-
-        shutil.rmtree(out)
-    tmp.rename(out)
+    # A private temporary directory: two processes converting at once (two `data regenerate` parts on a new
+    # machine) each write their own and the first rename wins; the other's copy is dropped.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".partial-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "selfdraft_converted.json").write_text(json.dumps({"source": str(gguf), "seconds": time.time() - t0}))
+        if out.exists() and not done.exists():  # a stale incomplete dir from a killed run
+            shutil.rmtree(out, ignore_errors=True)
+        if not done.exists():
+            try:
+                tmp.rename(out)
+            except OSError:  # another process renamed its copy first
+                if not done.exists():
+                    raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

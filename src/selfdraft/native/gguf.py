@@ -13,6 +13,7 @@ stay dense at the values the converted checkpoint holds, which are already the e
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -71,7 +72,7 @@ def exact_int4_weights(path: str | Path, state: dict[str, torch.Tensor], num_hea
     if cache is not None:
         from safetensors.torch import save_file
 
-        tmp = cache.with_suffix(".partial")
+        tmp = cache.with_suffix(f".partial-{os.getpid()}")  # private: processes reading one GGUF at once
         save_file(_pack(out), str(tmp), metadata={"source": stamp})
         tmp.replace(cache)
     return out
