@@ -218,47 +218,6 @@ def test_batched_sampling_equals_one_by_one():
     assert any(r[-1] == 7 for r in together)  # some rows really finish early and leave the batch
 
 
-def test_a_later_turn_prefilled_after_its_kept_cache_equals_a_whole_prefill():
-    """A turn continued from the cache kept after the last answer (rows of different cached and new
-    lengths, one row without a past) samples what prefilling the whole conversation samples (greedy, fp32)."""
-    target = Target(tiny_llama(vocab=64, layers=2))
-    prompts = [[5, 9, 11], [3] * 9, [20, 21], [1, 2, 3, 4, 5, 6], [8, 8]]
-    target.eos_ids = {63}
-    probe = sample_batch(target, prompts, SamplingParams(), 12)
-    target.eos_ids = {probe[0][3], probe[1][5]}  # ends of turns the tiny model really says
-    kept = []
-    first = sample_batch(target, prompts, SamplingParams(), 12, kept=kept)
-    done = [i for i, r in enumerate(first) if r[-1] in target.eos_ids]
-    assert len(done) >= 2 and len(done) < len(prompts) and all((kept[i] is None) == (i not in done) for i in range(len(prompts)))
-    assert all(kept[i].ids == prompts[i] + first[i][:-1] for i in done)  # the end-of-turn token was never fed
-    # the next turn: the end-of-turn token as a template writes it, then a user turn of its own length
-    follow = [prompts[i] + first[i] + [30 + i] * (i + 1) for i in done] + [[40, 41, 42]]
-    past = [kept[i] for i in done] + [None]
-    reused = sample_batch(target, follow, SamplingParams(), 12, past=past)
-    whole = [sample_batch(target, [f], SamplingParams(), 12)[0] for f in follow]
-    assert reused == whole
-    with pytest.raises(ValueError, match="first ids of its prompt"):
-        sample_batch(target, [[1, 2, 3]], SamplingParams(), 2, past=[kept[done[0]]])
-
-
-@needs_tokenizer
-def test_two_turn_regeneration_reusing_the_cache_writes_what_a_whole_prefill_writes(tmp_path, chat_target, monkeypatch):
-    import selfdraft.training.regenerate as rg
-
-    prompts = prompt_file(tmp_path, 6)
-    cfg = RegenConfig(max_new_tokens=10, batch_size=3, num_turns=2, temperature=0.0)
-    # tokens the tiny model says in its first answers end them, so second turns follow
-    probe = [r for i in (0, 3) for r in rg.answer_batch(chat_target, prompts[i : i + 3], cfg)[0]]
-    said = [[t for t, m in zip(r["input_ids"], r["loss_mask"]) if m] for r in probe]
-    chat_target.eos_ids = {chat_target.tokenizer.eos_token_id, said[0][4], said[4][6]}
-    reused = [rg.answer_batch(chat_target, prompts[i : i + 3], cfg)[0] for i in (0, 3)]
-    real = rg.generate_answers
-    monkeypatch.setattr(rg, "generate_answers", lambda t, p, c, g, past, kept: real(t, p, c, g, None, kept))
-    whole = [rg.answer_batch(chat_target, prompts[i : i + 3], cfg)[0] for i in (0, 3)]
-    assert reused == whole
-    assert any(len(r["messages"]) == 4 for batch in reused for r in batch)  # some second turns were answered
-
-
 def prompt_file(tmp_path: Path, n: int) -> list[Prompt]:
     src = write_jsonl(tmp_path / "prompts.jsonl", [json.dumps({"turns": [f"Question number {i}?" + " more" * (i % 4),
                                                                           f"Follow-up {i}"]}) for i in range(n)])

@@ -64,26 +64,13 @@ class Answer:
         return len(self.content_ids) + self.finished
 
 
-@dataclass
-class Past:
-    """A conversation's KV cache after a finished answer: its prompt and the answer's content (the
-    end-of-turn token was sampled, never fed). A later turn's prompt starts with these ids, so only
-    the rest of it is prefilled."""
-
-    ids: list[int]  # the P cached tokens
-    keys: list[torch.Tensor]  # per layer [n_kv, P, d]
-    values: list[torch.Tensor]  # per layer [n_kv, P, d]
-
-
 def generate_answers(
-    target, prompts: list[list[int]], cfg: RegenConfig, generator: torch.Generator | None = None,
-    past: list[Past | None] | None = None, kept: list[Past | None] | None = None,
+    target, prompts: list[list[int]], cfg: RegenConfig, generator: torch.Generator | None = None
 ) -> list[Answer]:
-    """Answer a batch of templated prompts (token ids ending in the assistant header) together
-    (past, kept: as in sample_batch)."""
+    """Answer a batch of templated prompts (token ids ending in the assistant header) together."""
     params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
     answers = []
-    for row in sample_batch(target, prompts, params, cfg.max_new_tokens, generator, past, kept):
+    for row in sample_batch(target, prompts, params, cfg.max_new_tokens, generator):
         finished = bool(row) and row[-1] in target.eos_ids
         content = row[:-1] if finished else row
         answers.append(Answer(target.tokenizer.decode(content, skip_special_tokens=True), content, finished))
@@ -93,40 +80,24 @@ def generate_answers(
 @torch.inference_mode()
 def sample_batch(
     target, prompts: list[list[int]], params: SamplingParams, max_new_tokens: int,
-    generator: torch.Generator | None = None, past: list[Past | None] | None = None,
-    kept: list[Past | None] | None = None,
+    generator: torch.Generator | None = None,
 ) -> list[list[int]]:
     """Sample continuations of B prompts together: left padding + attention mask + one KV cache.
 
     Returns per prompt the generated ids, ending at (and including) the first end-of-turn token
     or after max_new_tokens. Finished rows leave the batch (cache rows dropped), so long answers
     do not make short ones pay. (HF `generate` measured several times slower per token on CPU.)
-    past: per prompt the cache of its first tokens (a Past whose ids start the prompt) or None; only
-    the rest is prefilled. kept: a list that receives per prompt the Past after its answer (None
-    where the answer was cut), for the next turn.
     """
-    B = len(prompts)
-    past = past or [None] * B
-    pre = [len(q.ids) if q is not None else 0 for q in past]  # cached tokens per row
-    if any(q is not None and (q.ids != p[: len(q.ids)] or len(q.ids) >= len(p)) for p, q in zip(prompts, past)):
-        raise ValueError("a row's past must hold the first ids of its prompt, and not all of them")
-    new = [p[n:] for p, n in zip(prompts, pre)]
-    C, width = max(pre), max(len(x) for x in new)
-    # Row r: its cached tokens end at column C, its new ones at C + width; the gap between is padding.
-    ids = torch.zeros((B, width), dtype=torch.long)  # [B, width] left padded
-    mask = torch.zeros((B, C + width), dtype=torch.long)  # [B, C + width] 1 on real tokens
-    for row, (x, n) in enumerate(zip(new, pre)):
-        ids[row, width - len(x) :] = torch.tensor(x)
-        mask[row, C - n : C] = 1
-        mask[row, C + width - len(x) :] = 1
-    positions = (mask.cumsum(-1) - 1).clamp_min(0)[:, C:]  # [B, width] each prompt starts at position 0
+    B, width = len(prompts), max(len(p) for p in prompts)
+    ids = torch.zeros((B, width), dtype=torch.long)  # [B, L] left padded
+    mask = torch.zeros((B, width), dtype=torch.long)  # [B, L] 1 on real tokens
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)  # [B, L] each prompt starts at position 0
     cache = target.new_cache()
-    if C:
-        _load_past(cache, past, C)
     step = target.forward(ids, cache, position_ids=positions, attention_mask=mask, last_only=True)
     out: list[list[int]] = [[] for _ in prompts]
-    if kept is not None:
-        kept[:] = [None] * B
     alive = torch.arange(B)  # [B'] original row of each live batch row
     next_pos = mask.sum(-1)  # [B'] position of the token sampled next
     eos = torch.tensor(sorted(target.eos_ids), dtype=torch.long)
@@ -136,10 +107,6 @@ def sample_batch(
         for row, t in zip(alive.tolist(), tok.tolist()):
             out[row].append(t)
         keep = ~torch.isin(tok, eos)  # [B']
-        if kept is not None:
-            for b in (~keep).nonzero().flatten().tolist():
-                row = int(alive[b])
-                kept[row] = _row_past(cache, b, mask[b], prompts[row] + out[row][:-1])
         if len(out[alive[0]]) == max_new_tokens or not keep.any():
             break
         if not keep.all():
@@ -149,28 +116,6 @@ def sample_batch(
         step = target.forward(tok[:, None], cache, position_ids=next_pos[:, None], attention_mask=mask, last_only=True)
         next_pos = next_pos + 1
     return out
-
-
-def _load_past(cache, past: list[Past | None], C: int) -> None:
-    """Fill an empty cache with each row's past, right-aligned at column C: per layer [B, n_kv, C, d]."""
-    ref = next(q for q in past if q is not None)
-    for layer, (k0, v0) in enumerate(zip(ref.keys, ref.values)):
-        k = k0.new_zeros((len(past), k0.shape[0], C, k0.shape[-1]))
-        v = torch.zeros_like(k)
-        for row, q in enumerate(past):
-            if q is not None:
-                k[row, :, C - len(q.ids) :] = q.keys[layer]
-                v[row, :, C - len(q.ids) :] = q.values[layer]
-        cache.update(k, v, layer)
-
-
-def _row_past(cache, b: int, mask_row: torch.Tensor, ids: list[int]) -> Past:
-    """Batch row b's real cached positions (mask_row [S] is 1 on them) as a Past holding `ids`."""
-    real = mask_row.bool()
-    keys = [layer.keys[b][:, real].clone() for layer in cache.layers]
-    values = [layer.values[b][:, real].clone() for layer in cache.layers]
-    assert keys[0].shape[1] == len(ids), (keys[0].shape, len(ids))
-    return Past(ids, keys, values)
 
 
 def answer_batch(
@@ -187,7 +132,6 @@ def answer_batch(
     convs: list[list[dict]] = [[] for _ in prompts]
     sampled: list[dict[int, list[int]]] = [{} for _ in prompts]
     open_last = [False] * len(prompts)
-    pasts: list[Past | None] = [None] * len(prompts)  # each conversation's cache after its last answer
     generated = 0
     for turn in range(cfg.num_turns):
         todo = {}
@@ -199,16 +143,7 @@ def answer_batch(
                     todo[i] = (msgs, ids)
         if not todo:
             break
-        # A later turn prefills only what follows the cached conversation (the template must render
-        # the earlier turns as the same ids; where it does not, that row is prefilled whole).
-        past = [q if q is not None and ids[: len(q.ids)] == q.ids and len(ids) > len(q.ids) else None
-                for q, (_, ids) in zip((pasts[i] for i in todo), todo.values())]
-        kept: list[Past | None] = []
-        last_turn = turn + 1 == cfg.num_turns
-        answers = generate_answers(target, [ids for _, ids in todo.values()], cfg, generator, past,
-                                   None if last_turn else kept)
-        for j, (i, ans) in enumerate(zip(todo, answers)):
-            pasts[i] = None if last_turn else kept[j]
+        for i, ans in zip(todo, generate_answers(target, [ids for _, ids in todo.values()], cfg, generator)):
             convs[i] = todo[i][0] + [{"role": "assistant", "content": ans.text}]
             sampled[i][len(convs[i]) - 1] = ans.content_ids
             open_last[i] = not ans.finished
