@@ -157,12 +157,17 @@ FAST_CASES = [
 ]
 
 
+@pytest.mark.parametrize("scale", [8.0, 2.0], ids=["nucleus<64", "64<nucleus<1024"])
 @pytest.mark.parametrize("params", FAST_CASES, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
-def test_candidate_probs_equal_the_full_distribution(params):
-    """sampling.candidate_probs, scattered back to [B, V], is probs_from_logits (the slow reference)."""
+def test_candidate_probs_equal_the_full_distribution(params, scale):
+    """sampling.candidate_probs, scattered back to [B, V], is probs_from_logits (the slow reference),
+    from the narrow search and from the wide one (the nucleus of one row outgrows the narrow)."""
     from selfdraft.sampling import candidate_probs
 
-    logits = 4 * torch.randn(3, 3000, generator=torch.Generator().manual_seed(0))  # peaked: nucleus < 1024 tokens
+    logits = scale * torch.randn(3, 3000, generator=torch.Generator().manual_seed(0))
+    if params == FAST_CASES[0]:  # the cases really take the search they are named for
+        nucleus = int((probs_from_logits(logits, params) > 0).sum(-1).max())
+        assert (nucleus < 64) == (scale == 8.0) and nucleus < 1024, nucleus
     idx, probs = candidate_probs(logits, params)
     fast = torch.zeros(3, 3000).scatter(-1, idx, probs)
     torch.testing.assert_close(fast, probs_from_logits(logits, params), atol=1e-6, rtol=1e-5)

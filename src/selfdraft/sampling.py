@@ -92,34 +92,37 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     return multinomial(flat, generator).squeeze(-1).reshape(probs.shape[:-1])
 
 
-# The nucleus is looked for among this many best tokens before sorting the whole vocabulary.
-NUCLEUS_CANDIDATES = 1024
+# The nucleus is looked for among this many best tokens (a wider search only if a row's nucleus does
+# not fit the narrower one) before sorting the whole vocabulary.
+NUCLEUS_CANDIDATES = (64, 1024)
 
 
 def candidate_probs(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`probs_from_logits` restricted to the top candidates, when that is all of its support:
     [B, V] logits -> (ids [B, K], probabilities [B, K] summing to 1; every other id has probability 0),
-    or None when a filter-free, greedy or small-vocabulary call (or a nucleus larger than
+    or None when a filter-free, greedy or small-vocabulary call (or a nucleus larger than the widest
     NUCLEUS_CANDIDATES in some row) needs the full computation.
 
     A full sort of a 49k vocabulary per row costs more than a 135M target's decode step on CPU (data
-    regeneration samples every token this way). The candidates' probabilities are exact: normalised
-    over the whole vocabulary (or over the k kept tokens with top-k), then cut by top-p as
-    `probs_from_logits` cuts them. (Ties at the k-th logit keep exactly k tokens here, all of them there.)
+    regeneration samples every token this way), and a top-1024 search over 32 rows costs ~6x a top-64
+    one. The candidates' probabilities are exact: normalised over the whole vocabulary (or over the k
+    kept tokens with top-k), then cut by top-p as `probs_from_logits` cuts them. (Ties at the k-th
+    logit keep exactly k tokens here, all of them there.)
     """
     V = logits.shape[-1]
     top_k = params.top_k if 0 < params.top_k < V else 0
-    if params.greedy or (top_k == 0 and params.top_p == 1.0) or V <= NUCLEUS_CANDIDATES:
+    if params.greedy or (top_k == 0 and params.top_p == 1.0) or V <= NUCLEUS_CANDIDATES[-1]:
         return None
     z = (logits.float() - logits.float().amax(-1, keepdim=True)) / params.temperature  # [B, V]; max 0: no inf - inf
-    vals, idx = torch.topk(z, top_k or NUCLEUS_CANDIDATES, dim=-1)  # [B, K] descending
-    norm = vals if top_k else z  # top-k renormalises over the k kept tokens
-    probs = torch.exp(vals - torch.logsumexp(norm, dim=-1, keepdim=True))  # [B, K]
-    before = probs.cumsum(-1) - probs  # mass strictly before each candidate
-    if top_k == 0 and not bool((before[:, -1] + probs[:, -1] >= params.top_p).all()):
-        return None  # some row's nucleus reaches past the candidates
-    probs = probs.masked_fill(before >= params.top_p, 0.0)
-    return idx, probs / probs.sum(-1, keepdim=True)
+    lse = None if top_k else torch.logsumexp(z, dim=-1, keepdim=True)  # [B, 1]
+    for K in (top_k,) if top_k else NUCLEUS_CANDIDATES:
+        vals, idx = torch.topk(z, K, dim=-1)  # [B, K] descending
+        probs = torch.exp(vals - (torch.logsumexp(vals, dim=-1, keepdim=True) if top_k else lse))  # [B, K]
+        before = probs.cumsum(-1) - probs  # mass strictly before each candidate
+        if top_k or bool((before[:, -1] + probs[:, -1] >= params.top_p).all()):
+            probs = probs.masked_fill(before >= params.top_p, 0.0)
+            return idx, probs / probs.sum(-1, keepdim=True)
+    return None  # some row's nucleus reaches past the widest search
 
 
 def sample_logits(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
