@@ -10,11 +10,12 @@
 # Sources: regen-v1; every other work/data/regen-v* (more prompts answered the same way, only those the ledger lacks:
 #   selfdraft data regenerate sharegpt --out work/data/regen-v3 --limit 15000 --exclude checkpoints/dspark-campaign/ledger.json \
 #     --batch-size 32 --threads 1 --dtype bfloat16 --seed 3     (rerun it to finish before a segment is built);
-# the single-turn ShareGPT prompts (13,968 usable) are all answered by regen-v1/v3/v4; the next pool is their
-# second turns (11,948 conversations have one), each answered after the target's own first answer:
-#   selfdraft data regenerate sharegpt --turns 2 --part 0/2 --out work/data/regen-v5a --exclude checkpoints/dspark-campaign/ledger.json \
-#     --exclude work/data/regen-v3 --exclude work/data/regen-v4 --batch-size 32 --threads 1 --dtype bfloat16 --seed 3
-# (and --part 1/2 --out work/data/regen-v5b on the other core);
+# the single-turn ShareGPT prompts (13,968 usable) are all answered (regen-v1, v3, v6a/b; the ledger holds their
+# train records); the next pool is their second turns (11,948 conversations have one), each answered after the
+# target's own first answer (--exclude also every single-turn directory the ledger does not cover yet):
+#   selfdraft data regenerate sharegpt --turns 2 --part 0/2 --out work/data/regen-v7a --exclude checkpoints/dspark-campaign/ledger.json \
+#     --batch-size 32 --threads 1 --dtype bfloat16 --seed 3
+# (and --part 1/2 --out work/data/regen-v7b on the other core);
 # and MAXLEN=1024 trains on both answers (a two-turn conversation runs to 512 + 257 tokens; the default cuts at 512);
 # ORIGINAL=N adds N original ShareGPT answers (`data original`, no generation; they lowered the target's
 # acceptance at 150k and at 1.2M tokens, BENCHMARKS.md: the campaign's data is the target's own answers).
@@ -46,12 +47,13 @@ BUDGET=${BUDGET:-$EPOCH}
 [ "$BUDGET" -le "$EPOCH" ] || { echo "error: BUDGET $BUDGET > one epoch of $DATA ($EPOCH): tokens would repeat" >&2; exit 2; }
 echo "campaign: segment $DATA ($EPOCH tokens a epoch, budget $BUDGET) from $CKPT -> $OUT" >&2
 # Recipe (docs/training.md#the-campaign): CE on the target's greedy token, 64 anchors per sequence, a warm
-# start at lr 3e-4 (a fresh optimizer and a new cosine over the segment's budget). LAYERS=2 grows the drafter
+# start at lr 1e-4 (a fresh optimizer and a new cosine over the segment's budget; 3e-4 knocked segment 5's
+# val loss from 2.124 to 2.139 by step 250 and it ended at 2.128, 1e-4 ended at 2.123: BENCHMARKS.md). LAYERS=2 grows the drafter
 # by a layer that starts as the identity (training/checkpointing.py warm_start); OUT=DIR names that run.
 # bf16 autocast on a bf16 target: measured 211 vs 151 seq tok/s (fp32), 1 thread, AMD EPYC Zen 5 (avx512_bf16).
 # On a CPU without bf16 units pass BF16="--no-bf16 --dtype float32".
 exec .venv/bin/selfdraft train --method dspark --data "$DATA" --init-from "$CKPT" --seed 0 \
   --feature-layers 1,8,14,20,27 --gamma 7 --loss-vocab-size 16384 --mask-token-id 16 --qk-norm --layers "${LAYERS:-1}" \
-  --random-init --anchors-per-seq 64 --ce-label "${CE_LABEL:-argmax}" --batch-size 2 --lr "${LR:-3e-4}" \
+  --random-init --anchors-per-seq 64 --ce-label "${CE_LABEL:-argmax}" --batch-size 2 --lr "${LR:-1e-4}" \
   --max-seq-len "${MAXLEN:-512}" --warmup-steps 20 --steps 1000000 --token-budget "$BUDGET" --val-every 250 --val-batches 10 --save-every 100 \
   ${BF16:---bf16 --dtype bfloat16} --threads "${THREADS:-1}" --out "$OUT"
