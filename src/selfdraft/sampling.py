@@ -113,7 +113,8 @@ def candidate_probs(logits: torch.Tensor, params: SamplingParams) -> tuple[torch
     top_k = params.top_k if 0 < params.top_k < V else 0
     if params.greedy or (top_k == 0 and params.top_p == 1.0) or V <= NUCLEUS_CANDIDATES[-1]:
         return None
-    z = (logits.float() - logits.float().amax(-1, keepdim=True)) / params.temperature  # [B, V]; max 0: no inf - inf
+    x = logits.float()
+    z = (x - x.amax(-1, keepdim=True)) / params.temperature  # [B, V]; max 0: no inf - inf
     lse = None if top_k else torch.logsumexp(z, dim=-1, keepdim=True)  # [B, 1]
     for K in (top_k,) if top_k else NUCLEUS_CANDIDATES:
         vals, idx = torch.topk(z, K, dim=-1)  # [B, K] descending

@@ -450,9 +450,8 @@ def _converted_gguf_dir(gguf: Path, cache_name: str | None = None) -> Path:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         (tmp / "selfdraft_converted.json").write_text(json.dumps({"source": str(gguf), "seconds": time.time() - t0}))
-        if out.exists() and not done.exists():  # a stale incomplete dir from a killed run
-            shutil.rmtree(out, ignore_errors=True)
         if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)  # a stale incomplete dir from a killed run, if any
             try:
                 tmp.rename(out)
             except OSError:  # another process renamed its copy first
