@@ -555,3 +555,103 @@ def test_warm_start_does_not_grow_mtp_modules(target, tmp_path):
     save_checkpoint(tmp_path / "one", STRATEGIES["mtp"].build(one, target), one, target, provenance("test", 0, 0))
     with pytest.raises(ConfigError, match="init-from"):
         warm_start(STRATEGIES["mtp"].build(two, target), two, target, str(tmp_path / "one"))
+
+
+# --------------------------------------------------------------------------- draft trees (inference)
+@torch.no_grad()
+def _reference_tree(model, h, U, x0, total, vocab=None):
+    """Slow and obviously correct: every token path of length <= g over the (draft) vocabulary, its
+    score Σ_k log softmax(logits_k)[x_k] with logits_k from the chain decoder (`decode_blocks`, the
+    Markov step and its state included) forced along the path, and the best total - 1 paths."""
+    g, n = U.shape
+    ids = list(range(V)) if vocab is None else vocab.tolist()
+    scored = []
+
+    def expand(path, score):  # path: indices into the draft vocabulary
+        force = lambda j, logits: torch.tensor([path[j] if j < len(path) else 0])  # noqa: E731
+        logq = torch.log_softmax(model.decode_blocks(h[None], U[None], torch.tensor([x0]), force, vocab).logits[0, len(path)], -1)
+        for i in range(n):
+            scored.append((score + float(logq[i]), [ids[j] for j in path + [i]]))
+            if len(path) + 1 < g:
+                expand(path + [i], score + float(logq[i]))
+
+    expand([], 0.0)
+    return sorted(scored, key=lambda x: -x[0])[: total - 1]
+
+
+def _paths(tree):
+    """Node i's token path from the anchor (its ancestors' tokens, then its own)."""
+    out = []
+    for i, p in enumerate(tree.parents.tolist()):
+        assert p < i
+        out.append((out[p] if p >= 0 else []) + [int(tree.tokens[i])])
+    return out
+
+
+@pytest.mark.parametrize("method,kw", [("dflash", {}), ("dspark", dict(markov_head="vanilla")),
+                                       ("dspark", dict(markov_head="rnn")), ("dspark", dict(markov_head="gated"))])
+@pytest.mark.parametrize("small_vocab", [False, True])
+def test_draft_tree_keeps_the_best_paths_of_the_full_search(target, method, kw, small_vocab):
+    """With top_k >= total - 1 the dynamic tree is the exhaustive search: its nodes are exactly the best
+    total - 1 paths by Σ log q (a kept node's parent outscores it, so it is kept too and among its depth's
+    best top_k), each listed after its parent."""
+    model, cfg = make(method, target, gamma=3, markov_rank=8, markov_scale=2.0, **kw)
+    vocab = torch.arange(0, V, 16) if small_vocab else None  # 6 tokens, or all 96 (depth 2 then)
+    g = 3 if small_vocab else 2
+    h = torch.randn(g, H)
+    U = lm_logits(target, h) if vocab is None else lm_logits(target, h)[:, vocab]
+    for total in (2, 9, 30):
+        tree = model.decode_tree(h, U, 7, top_k=total - 1, total=total, vocab=vocab)
+        ref = _reference_tree(model, h, U, 7, total, vocab)
+        assert sorted(_paths(tree)) == sorted(p for _, p in ref), (method, total)
+    narrow = _paths(model.decode_tree(h, U, 7, top_k=2, total=30, vocab=vocab))  # 2 + 2·2 (+ 2·2) nodes
+    assert len(narrow) == (6 if g == 2 else 10) and max(len(p) for p in narrow) == g
+
+
+@pytest.mark.parametrize("method,kw", DRAFTERS)
+def test_greedy_tree_drafting_equals_plain_greedy(target, method, kw):
+    """Trees from the block (tree:DIR at inference) stay lossless: float32 greedy output equals plain
+    decoding, served through the batched engine as through `generate`, and they draft deeper than one."""
+    from selfdraft.engine import Engine
+
+    prompt, n = [5, 17, 3, 42, 8, 8, 61], 24
+    plain = generate(target, NoDrafter(target), prompt, SamplingParams(), GenerationConfig(max_new_tokens=n))
+    model, cfg = make(method, target, gamma=5, markov_rank=kw.pop("markov_rank", 8), **kw)
+    drafter = STRATEGIES[method].drafter(model, cfg, target)
+    drafter.set_tree(top_k=3, total_tokens=10)
+    assert drafter.drafts_trees
+    for gamma in (2, 5, 8):
+        res = generate(target, drafter, prompt, SamplingParams(), GenerationConfig(max_new_tokens=n, gamma=gamma))
+        assert res.token_ids == plain.token_ids
+        assert all(r.proposed <= 9 and r.depth <= min(gamma, 5) for r in res.rounds)
+    assert max(r.depth for r in res.rounds) > 1
+    engine, gen = Engine(target), GenerationConfig(max_new_tokens=n, gamma=5)
+    prompts = (prompt, prompt[:4])
+    ids = []
+    for p in prompts:
+        d = STRATEGIES[method].drafter(model, cfg, target)
+        d.set_tree(top_k=3, total_tokens=10)
+        ids.append(engine.add_request(p, d, SamplingParams(), gen))
+    results = engine.run()
+    for p, i in zip(prompts, ids):
+        alone = generate(target, NoDrafter(target), p, SamplingParams(), GenerationConfig(max_new_tokens=n))
+        assert results[i].token_ids == alone.token_ids
+
+
+def test_tree_spec_loads_a_checkpoint_drafting_trees(target, tmp_path):
+    from selfdraft.bench.harness import parse_drafter_spec
+    from selfdraft.checkpoint import save_checkpoint
+    from selfdraft.config import ConfigError
+    from selfdraft.loader import load_drafter
+
+    model, cfg = make("dspark", target, gamma=4, markov_rank=8)
+    save_checkpoint(tmp_path / "d", model, cfg, target, provenance={})
+    chain, tree = load_drafter(str(tmp_path / "d"), target), load_drafter(f"tree:{tmp_path / 'd'}", target)
+    assert not chain.drafts_trees and tree.drafts_trees and tree.cfg.tree_total_tokens == cfg.tree_total_tokens
+    assert parse_drafter_spec(f"dspark-tree:tree:{tmp_path / 'd'}").label == "dspark-tree"
+    with pytest.raises(ConfigError, match="not a drafter checkpoint directory"):
+        load_drafter(f"tree:{tmp_path / 'missing'}", target)
+    mtp_cfg = methods.get("mtp").config(feature_layers=(LAYERS - 1,), gamma=2)
+    save_checkpoint(tmp_path / "mtp", STRATEGIES["mtp"].build(mtp_cfg, target), mtp_cfg, target, provenance={})
+    with pytest.raises(ConfigError, match="chains only"):
+        load_drafter(f"tree:{tmp_path / 'mtp'}", target)

@@ -183,7 +183,8 @@ def test_each_method_has_its_own_config_with_only_its_fields():
     fields = lambda cls: {f.name for f in dataclasses.fields(cls)}  # noqa: E731
     shared = {"method", "gamma", "feature_layers", "qk_norm"}
     assert fields(DFlashConfig) - shared == {"num_layers", "anchor_as_first", "loss_decay", "anchors_per_seq",
-                                             "init_from_target", "mask_token_id", "loss_vocab_size", "ce_label"}
+                                             "init_from_target", "mask_token_id", "loss_vocab_size", "ce_label",
+                                             "tree", "tree_top_k", "tree_total_tokens"}
     assert fields(DSparkConfig) - fields(DFlashConfig) == {"markov_rank", "markov_head", "confidence_head",
                                                            "w_ce", "w_tv", "w_conf"}  # DSpark extends DFlash
     assert fields(Eagle3Config) - shared == {"draft_vocab_size", "ttt_decay", "tree_depth", "tree_top_k", "tree_total_tokens"}
@@ -198,6 +199,8 @@ def test_each_method_has_its_own_config_with_only_its_fields():
         DSparkConfig(ce_label="sampled")
     with pytest.raises(ConfigError, match="tree_depth"):
         Eagle3Config(tree_depth=-1)
+    with pytest.raises(ConfigError, match="tree_total_tokens"):
+        DSparkConfig(tree_total_tokens=1)
     with pytest.raises(ConfigError, match="unknown key"):
         drafter_config({"method": "mtp", "mtp_modulez": 2})
     with pytest.raises(ConfigError, match="valid methods"):

@@ -30,11 +30,14 @@ def load_drafter(spec: str, target: "Target", suffix: "SuffixConfig | None" = No
     - a training-free method's name (`none`, `ngram`, `suffix`; `suffix+tree`, `suffix+cold`: tree drafts,
       no global tree), with `suffix` the SuffixConfig of the suffix drafters (the --suffix-* options);
     - a selfdraft checkpoint directory or a speculators directory;
-    - `hybrid:DIR` or `hybrid+RULE:DIR` (RULE in drafters.hybrid.RULES): suffix drafts and DIR's, per round.
+    - `hybrid:DIR` or `hybrid+RULE:DIR` (RULE in drafters.hybrid.RULES): suffix drafts and DIR's, per round;
+    - `tree:DIR`: DIR's drafter (DFlash, DSpark, EAGLE-3) drafting a tree each round.
     """
     head, colon, rest = spec.partition(":")
     if colon and (head == "hybrid" or head.startswith("hybrid+")):
         return _hybrid(head.partition("+")[2] or "cost", rest, target, suffix)
+    if colon and head == "tree":
+        return _tree(rest, target)
     name, _, variant = spec.partition("+")
     if name == "suffix":
         return _suffix(variant, suffix)
@@ -43,13 +46,13 @@ def load_drafter(spec: str, target: "Target", suffix: "SuffixConfig | None" = No
     if Path(spec).is_dir():
         return load_speculators(spec, target) if is_speculators_dir(spec) else load_checkpoint(spec, target)
     raise ConfigError(f"unknown drafter {spec!r}: use one of {methods.names(trained=False)}, suffix+tree, suffix+cold, "
-                      "a checkpoint directory, or hybrid:DIR")
+                      "a checkpoint directory, hybrid:DIR or tree:DIR")
 
 
 def is_drafter_spec(spec: str) -> bool:
     """Whether `spec` names a drafter without loading anything (bench's spec parsing)."""
     head, colon, rest = spec.partition(":")
-    if colon and (head == "hybrid" or head.startswith("hybrid+")):
+    if colon and (head == "hybrid" or head.startswith("hybrid+") or head == "tree"):
         return True  # checked when loaded, with the reason
     name, plus, variant = spec.partition("+")
     if name == "suffix":
@@ -66,6 +69,21 @@ def _suffix(variant: str, config: "SuffixConfig | None"):
         raise ConfigError(f"unknown suffix variant {variant!r}: use suffix, " + ", ".join(f"suffix+{v}" for v in SUFFIX_VARIANTS))
     config = replace(config or SuffixConfig(), **SUFFIX_VARIANTS.get(variant, {}))
     return methods.get("suffix").new(None, config=config)
+
+
+def _tree(source: str, target: "Target") -> Drafter:
+    """`tree:DIR`: DIR's trained drafter drafting a tree each round (EAGLE-3: depth γ unless its config
+    sets one; DFlash/DSpark: the block's tree, docs/methods/dflash.md#draft-trees)."""
+    if not Path(source).is_dir():
+        raise ConfigError(f"tree:{source}: {source} is not a drafter checkpoint directory (e.g. --drafter tree:checkpoints/dspark)")
+    d = load_drafter(source, target)
+    if not hasattr(d, "set_tree"):
+        raise ConfigError(f"tree:{source}: a {d.name} drafter drafts chains only; trees come from dflash, dspark and eagle3 checkpoints")
+    if d.name == "eagle3":
+        d.set_tree(d.cfg.tree_depth or d.cfg.gamma, d.cfg.tree_top_k, d.cfg.tree_total_tokens)
+    else:
+        d.set_tree()
+    return d
 
 
 def _hybrid(rule: str, source: str, target: "Target", suffix: "SuffixConfig | None") -> Drafter:

@@ -58,15 +58,20 @@ def drafter_fields() -> list[tuple[dataclasses.Field, list[str]]]:
     return [(f, owners.get(f.name, [])) for f in fields.values()]
 
 
-def drafter_table() -> dict[str, tuple[tuple[str, ...] | None, str]]:
+def drafter_table() -> dict[str, tuple]:
     """The drafter options' spelling and help, from the config fields' metadata; a method's own
-    option says whose it is."""
+    option says whose it is, and a field methods share with different defaults shows each one."""
     table = {}
     for f, owners in drafter_fields():
         help = f.metadata.get("help", "")
         if f.name == "method":
             help = " | ".join(methods.names(trained=True))
-        table[f.name] = (f.metadata.get("flags") or None, f"{'/'.join(owners)}: {help}" if owners else help)
+        by_default: dict[str, list[str]] = {}
+        for m in owners:
+            d = next(g.default for g in dataclasses.fields(methods.get(m).config) if g.name == f.name)
+            by_default.setdefault(str(d), []).append(m)
+        shown = (", ".join(f"{'/'.join(ms)} {d}" for d, ms in by_default.items()),) if len(by_default) > 1 else ()
+        table[f.name] = (f.metadata.get("flags") or None, f"{'/'.join(owners)}: {help}" if owners else help, *shown)
     return table
 
 
@@ -76,13 +81,13 @@ def config_options(fields: list[dataclasses.Field], table: dict) -> list[inspect
     assert not unknown, f"options for fields the configs do not have: {sorted(unknown)}"
     params = []
     for f in fields:
-        decls, help = table.get(f.name, (None, ""))
+        decls, help, *shown = table.get(f.name, (None, ""))
         typ = TYPES[f.type]
         if decls is None:
             flag = "--" + f.name.replace("_", "-")
             decls = (f"{flag}/--no-{flag[2:]}",) if typ is bool else (flag,)
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        shown = ",".join(map(str, default)) if isinstance(default, tuple) else str(default)
+        shown = shown[0] if shown else ",".join(map(str, default)) if isinstance(default, tuple) else str(default)
         option = typer.Option(None, *decls, help=help, show_default=shown if shown else False)
         params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=Optional[typ]))
     return params

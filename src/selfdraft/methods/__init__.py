@@ -152,6 +152,8 @@ def drafter_config(data: dict[str, Any], legacy: bool = False) -> DrafterConfig:
         free = " (a training-free method: no config, nothing to train)" if method in METHODS else ""
         raise ConfigError(f"unknown training method {method!r}{free}; valid methods: {sorted(trained)}")
     m = get(method)
+    if legacy and method != "eagle3":  # a flat config's tree sizes are EAGLE-3's (DFlash/DSpark trees came later)
+        data = {k: v for k, v in data.items() if k not in ("tree_top_k", "tree_total_tokens")}
     own = {f.name for f in dataclasses.fields(m.config)}
     foreign = foreign_fields(method)
     unknown = sorted(k for k in data if k not in own and k not in foreign)

@@ -28,6 +28,11 @@ class DFlashConfig(DrafterConfig):
     # it, or another model's on original answers); "argmax": the target's greedy token argmax p_t, what
     # greedy verification accepts (a training-only knob: inference never reads it).
     ce_label: str = knob("data", "cross-entropy label: data (the next token) | argmax (the target's greedy token)")
+    # Inference only: a draft tree over the block instead of its chain (docs/methods/dflash.md#draft-trees);
+    # `--drafter tree:DIR` switches a checkpoint to it.
+    tree: bool = knob(False, "draft a tree at inference (EAGLE-2 search over the block's conditionals) instead of a chain")
+    tree_top_k: int = knob(4, "draft tree: children per frontier node, and frontier nodes kept per depth")
+    tree_total_tokens: int = knob(12, "draft tree: nodes verified per round, anchor included")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -38,5 +43,8 @@ class DFlashConfig(DrafterConfig):
                               f"(got {self.mask_token_id}, {self.loss_vocab_size})")
         if self.ce_label not in ("data", "argmax"):
             raise ConfigError(f"ce_label must be data or argmax, got {self.ce_label!r}")
+        if self.tree_top_k < 1 or self.tree_total_tokens < 2:
+            raise ConfigError(f"tree_top_k >= 1 and tree_total_tokens >= 2 are required "
+                              f"(got {self.tree_top_k}, {self.tree_total_tokens})")
         if self.loss_decay <= 0 or self.anchors_per_seq < 1:
             raise ConfigError("loss_decay > 0 and anchors_per_seq >= 1 are required")

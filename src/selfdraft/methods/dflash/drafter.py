@@ -3,6 +3,8 @@ committed positions; serves DSpark too (its model's decode_blocks adds the Marko
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
@@ -72,9 +74,18 @@ class DFlashDrafter(TrainedDrafter):
     def observe(self, verification, step: TargetStep) -> None:
         self._append(step.features[0])  # [n_accepted + 1, n_feat, H]: old anchor + accepted drafts
 
-    def batch_key(self) -> tuple[int, int]:
+    @property
+    def drafts_trees(self) -> bool:
+        return self.cfg.tree
+
+    def set_tree(self, on: bool = True, top_k: int | None = None, total_tokens: int | None = None) -> None:
+        """Draft trees (or chains, on=False), validated like the config; None keeps the config's size."""
+        self.cfg = replace(self.cfg, tree=on, tree_top_k=top_k or self.cfg.tree_top_k,
+                           tree_total_tokens=total_tokens or self.cfg.tree_total_tokens)
+
+    def batch_key(self) -> tuple[int, int, bool]:
         # copies of one loaded drafter share weights (and draft vocabulary): they draft together
-        return id(self.model), id(self.vocab)
+        return id(self.model), id(self.vocab), self.cfg.tree
 
     @torch.inference_mode()
     def draft_states(self, tokens: list[int], g: int) -> torch.Tensor:
@@ -117,7 +128,7 @@ class DFlashDrafter(TrainedDrafter):
         """DSpark: c_k reads h_k and x_{k-1} only, so drafting stops at the scheduler's first refusal
         and pays the LM-head row and the Markov step only for drafts that will be verified (a round
         whose c_1 is refused, most rounds on a CPU, costs the backbone pass alone)."""
-        if admission is None or not self.gives_confidences or self.target.model.device.type != "cpu":
+        if admission is None or not self.gives_confidences or self.cfg.tree or self.target.model.device.type != "cpu":
             # Off the CPU the whole block is drafted and cut at the first refusal (Drafter.propose_until):
             # asking before each draft would wait for the GPU γ times a round, and the drafts past the
             # cut cost little there. The admitted drafts are the same (c_k reads h_k and x_{k-1} only).
@@ -141,6 +152,12 @@ class DFlashDrafter(TrainedDrafter):
         h = DFlashDrafter.draft_states_many([drafters[r] for r in live], [tokens[r] for r in live])[:, : max(g)]
         vocab, head = drafters[live[0]].vocab, drafters[live[0]].head  # shared by a batch_key group
         U = (lambda k: head(h[:, k])) if admit is not None else head(h)  # [R', γ, V'] (V' = V without a draft vocabulary)
+        if drafters[live[0]].cfg.tree:  # 2'. One tree per request, depth γ_r, from its block's conditionals
+            for i, r in enumerate(live):
+                c = drafters[r].cfg
+                t = model.decode_tree(h[i, : g[i]], U[i, : g[i]], tokens[r][-1], c.tree_top_k, c.tree_total_tokens, vocab)
+                out[r] = Proposal(tokens=t.tokens, parents=t.parents)  # deterministic: the sibling rule verifies it
+            return out
         # 2. Left-to-right choice of x_k (DSpark adds the Markov bias and c_k inside decode_blocks);
         #    positions past a request's own γ_r are filled greedily and cut, drawing no randomness.
 

@@ -38,6 +38,14 @@ class DraftBlock:
     confidences: torch.Tensor | None  # [γ] c_k ([R, γ]), or None without a confidence head
 
 
+@dataclass
+class DraftTree:
+    """One round's draft tree over a block (tree.py's layout: topological order, parents[i] < i)."""
+
+    tokens: torch.Tensor  # [N] int64 target ids
+    parents: torch.Tensor  # [N] int64 parent node index, -1 = a child of the anchor
+
+
 class DFlashModel(nn.Module):
     """Trainable DFlash weights: context fusion, mask embedding, N injected layers, final norm."""
 
@@ -130,6 +138,55 @@ class DFlashModel(nn.Module):
             raise ValueError("DFlash gives no confidences c_k: the scheduler's online rule cannot stop its block")
         idx = torch.stack([pick(k, U[:, k]) for k in range(U.shape[1])], dim=1)  # [R, γ]
         return DraftBlock(idx if vocab is None else vocab[idx], U, None)
+
+    def child_logits(self, h_k: torch.Tensor, U_k: torch.Tensor, prev: torch.Tensor, s: torch.Tensor | None,
+                     vocab: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits of the children of F tree nodes at block position k: h_k [H], U_k [V'], prev [F] the
+        nodes' tokens, s their recurrent state -> ([F, V'], the children's state). DFlash's drafts are
+        independent given the block, so every node's children share U_k; DSpark adds its Markov bias."""
+        return U_k.expand(prev.shape[0], -1), None
+
+    def tree_state(self, h: torch.Tensor) -> torch.Tensor | None:
+        """The anchor's recurrent state ([1, r] in h's dtype for DSpark's rnn head; None otherwise)."""
+        return None
+
+    @torch.no_grad()
+    def decode_tree(self, h: torch.Tensor, U: torch.Tensor, x0: int, top_k: int, total: int,
+                    vocab: torch.Tensor | None = None) -> DraftTree:
+        """EAGLE-2's dynamic tree (Li et al. 2024, §4) over one block: h [g, H], U [g, V'] float32 the
+        backbone logits of depths 1..g, x0 the anchor. A node's score is its path's Σ log q; per depth k:
+        1. children of the frontier: the top_k of log softmax(child_logits) of each node;
+        2. the next frontier: the global top_k children by score.
+        3. Keep the best total - 1 nodes (ancestor-closed: a child never outscores its parent, ties go
+           to the shallower node), in topological order (depth, then score).
+        One backbone pass serves the whole tree: only the Markov step (rank r) runs per node."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        scores: list[float] = []
+        depth: list[int] = []
+        frontier = torch.tensor([-1])  # node indices (-1 = the anchor)
+        prev = torch.tensor([x0], device=h.device)  # [F] the frontier's tokens
+        score = torch.zeros(1, device=h.device)  # [F]
+        s = self.tree_state(h)
+        for k in range(h.shape[0]):
+            logits, s = self.child_logits(h[k], U[k], prev, s, vocab)  # [F, V']
+            top = torch.log_softmax(logits, -1).topk(min(top_k, logits.shape[-1]))  # [F, k']
+            cand = (score[:, None] + top.values).flatten()  # [F·k']
+            ids = top.indices.flatten() if vocab is None else vocab[top.indices.flatten()]  # target ids
+            base = len(tokens)
+            tokens += ids.tolist()
+            scores += cand.tolist()
+            parents += frontier.repeat_interleave(top.values.shape[1]).tolist()
+            depth += [k + 1] * cand.numel()
+            best = cand.topk(min(top_k, cand.numel())).indices  # [F'] into this depth's children
+            frontier, prev, score = base + best.cpu(), ids[best], cand[best]
+            s = None if s is None else s[best // top.values.shape[1]]
+        rank = sorted(range(len(tokens)), key=lambda c: (-scores[c], depth[c], c))
+        order = {c: i for i, c in enumerate(rank)}
+        keep = sorted(rank[: total - 1], key=lambda c: (depth[c], order[c]))
+        new_index = {c: i for i, c in enumerate(keep)}
+        return DraftTree(torch.tensor([tokens[c] for c in keep], dtype=torch.long),
+                         torch.tensor([new_index[parents[c]] if parents[c] >= 0 else -1 for c in keep], dtype=torch.long))
 
     def decode_block(self, h: torch.Tensor, U: torch.Tensor, x0: int, pick: Pick) -> DraftBlock:
         """One block (h: [γ, H], U: [γ, V]): `decode_blocks` with R = 1."""

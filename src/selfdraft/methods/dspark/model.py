@@ -107,6 +107,16 @@ class DSparkModel(DFlashModel):
             self._w2_key, self._w2_cache = key, w[vocab].detach()
         return self._w2_cache
 
+    def child_logits(self, h_k, U_k, prev, s, vocab):
+        """DFlash's, plus the Markov bias B_k = W2 e_k of each node's own token (its children's x_{k-1})."""
+        if self.markov is None:
+            return super().child_logits(h_k, U_k, prev, s, vocab)
+        e, s = self.markov.step(h_k.expand(prev.shape[0], -1), prev, s)  # [F, r]
+        return U_k + F.linear(e, self._w2_rows(vocab)).float(), s
+
+    def tree_state(self, h):
+        return h.new_zeros(1, self.markov.rank) if self.markov is not None and self.markov.kind == "rnn" else None
+
     def decode_blocks(
         self, h: torch.Tensor, U: torch.Tensor | Callable[[int], torch.Tensor], x0: torch.Tensor, pick: PickMany,
         vocab: torch.Tensor | None = None, admit: Callable[[float], bool] | None = None,
