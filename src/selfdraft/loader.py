@@ -79,10 +79,7 @@ def _tree(source: str, target: "Target") -> Drafter:
     d = load_drafter(source, target)
     if not hasattr(d, "set_tree"):
         raise ConfigError(f"tree:{source}: a {d.name} drafter drafts chains only; trees come from dflash, dspark and eagle3 checkpoints")
-    if d.name == "eagle3":
-        d.set_tree(d.cfg.tree_depth or d.cfg.gamma, d.cfg.tree_top_k, d.cfg.tree_total_tokens)
-    else:
-        d.set_tree()
+    d.set_tree()
     return d
 
 

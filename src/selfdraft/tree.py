@@ -74,6 +74,17 @@ def prune_depth(parents: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, to
     return keep, torch.where(old_parents < 0, old_parents, new_index[old_parents.clamp_min(0)])
 
 
+def keep_best(scores: list[float], depth: list[int], parents: list[int], total: int) -> tuple[list[int], list[int]]:
+    """EAGLE-2's rerank of a searched tree: the best total - 1 nodes by score (a child never outscores
+    its parent, and ties go to the shallower node, so the set is closed under ancestors), in
+    topological order (depth, then rank) -> (kept node indices, their parents re-indexed, -1 = anchor)."""
+    rank = sorted(range(len(scores)), key=lambda c: (-scores[c], depth[c], c))
+    order = {c: r for r, c in enumerate(rank)}
+    keep = sorted(rank[: total - 1], key=lambda c: (depth[c], order[c]))
+    new_index = {c: i for i, c in enumerate(keep)}
+    return keep, [new_index[parents[c]] if parents[c] >= 0 else -1 for c in keep]
+
+
 @dataclass
 class TreeInputs:
     """What the target forward over [anchor, nodes] needs on top of the token ids."""

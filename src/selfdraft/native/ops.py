@@ -60,9 +60,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     memory-efficient one no enable_gqa), which writes the whole [B, nh, T, S] score tensor: there the
     kv heads are repeated first, so the memory-efficient kernel runs. Elsewhere SDPA groups the heads
     itself (CPU: its own flash kernel, mask or not). expand_kv overrides the choice (tests)."""
-    gqa = k.shape[1] != q.shape[1]
     if q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.shape[2] <= GROUPED_MAX_ROWS:
         return grouped_attention(q, k, v, mask, scale)
+    gqa = k.shape[1] != q.shape[1]
     if expand_kv is None:
         expand_kv = gqa and mask is not None and q.device.type == "cuda"
     if gqa and expand_kv:
@@ -86,9 +86,10 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     B, nh, T, d = q.shape
     nkv, S = k.shape[1], k.shape[2]
     rep = nh // nkv
-    scores = (q.reshape(B, nkv, rep * T, d) @ k.transpose(-1, -2)).float() * (scale or d ** -0.5)  # [B, nkv, rep·T, S]
+    scores = (q.reshape(B, nkv, rep * T, d) @ k.transpose(-1, -2)).float() * (scale or d ** -0.5)
+    scores = scores.view(B, nkv, rep, T, S)  # the mask [B or 1, 1, T, S] broadcasts over (nkv, rep) as [.., 1, 1, T, S]
     if mask is not None:
-        m = mask.expand(-1, -1, T, S)[:, :, None].expand(-1, -1, rep, -1, -1).reshape(mask.shape[0], 1, rep * T, S)
+        m = mask[:, :, None]
         scores = scores.masked_fill(~m, torch.finfo(torch.float32).min) if m.dtype == torch.bool else scores + m.float()
-    return (torch.softmax(scores, -1).to(v.dtype) @ v).view(B, nh, T, d)
+    return (torch.softmax(scores, -1).to(v.dtype).view(B, nkv, rep * T, S) @ v).view(B, nh, T, d)
 

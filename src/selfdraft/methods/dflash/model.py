@@ -24,6 +24,7 @@ from selfdraft.drafters.blocks import block_positions
 from selfdraft.drafters.layers import KV, InjectedDecoderLayer, LayerShape, RMSNorm, Rotary
 from selfdraft.methods.dflash.config import DFlashConfig
 from selfdraft.target import Target
+from selfdraft.tree import keep_best
 
 Pick = Callable[[int, torch.Tensor], int]  # (k, logits_k [V]) -> chosen draft token x_k
 PickMany = Callable[[int, torch.Tensor], torch.Tensor]  # (k, logits_k [R, V]) -> x_k [R] for R blocks at once
@@ -181,12 +182,8 @@ class DFlashModel(nn.Module):
             best = cand.topk(min(top_k, cand.numel())).indices  # [F'] into this depth's children
             frontier, prev, score = base + best.cpu(), ids[best], cand[best]
             s = None if s is None else s[best // top.values.shape[1]]
-        rank = sorted(range(len(tokens)), key=lambda c: (-scores[c], depth[c], c))
-        order = {c: i for i, c in enumerate(rank)}
-        keep = sorted(rank[: total - 1], key=lambda c: (depth[c], order[c]))
-        new_index = {c: i for i, c in enumerate(keep)}
-        return DraftTree(torch.tensor([tokens[c] for c in keep], dtype=torch.long),
-                         torch.tensor([new_index[parents[c]] if parents[c] >= 0 else -1 for c in keep], dtype=torch.long))
+        keep, kept_parents = keep_best(scores, depth, parents, total)
+        return DraftTree(torch.tensor([tokens[c] for c in keep], dtype=torch.long), torch.tensor(kept_parents, dtype=torch.long))
 
     def decode_block(self, h: torch.Tensor, U: torch.Tensor, x0: int, pick: Pick) -> DraftBlock:
         """One block (h: [γ, H], U: [γ, V]): `decode_blocks` with R = 1."""

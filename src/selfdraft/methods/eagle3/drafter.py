@@ -13,6 +13,7 @@ from selfdraft.methods.eagle3.config import Eagle3Config
 from selfdraft.methods.eagle3.model import Eagle3Model
 from selfdraft.sampling import probs_from_logits, process_logits, sample
 from selfdraft.target import Target, TargetStep
+from selfdraft.tree import keep_best
 
 
 @dataclass
@@ -42,9 +43,11 @@ class Eagle3Drafter(TrainedDrafter):
     def drafts_trees(self) -> bool:
         return bool(self.cfg.tree_depth)
 
-    def set_tree(self, depth: int, top_k: int = 10, total_tokens: int = 60) -> None:
-        """Switch to EAGLE-2 tree drafting (depth 0 = chain), validated like the config."""
-        self.cfg = replace(self.cfg, tree_depth=depth, tree_top_k=top_k, tree_total_tokens=total_tokens)
+    def set_tree(self, depth: int | None = None, top_k: int | None = None, total_tokens: int | None = None) -> None:
+        """Switch to EAGLE-2 tree drafting (depth 0 = chain), validated like the config; None keeps the
+        config's value (depth: the config's tree depth, else γ)."""
+        self.cfg = replace(self.cfg, tree_depth=(self.cfg.tree_depth or self.cfg.gamma) if depth is None else depth,
+                           tree_top_k=top_k or self.cfg.tree_top_k, tree_total_tokens=total_tokens or self.cfg.tree_total_tokens)
 
     @torch.inference_mode()
     def begin(self, prompt_ids: list[int], step: TargetStep) -> None:
@@ -143,11 +146,8 @@ class Eagle3Drafter(TrainedDrafter):
                 cands += add_children(f, out[0, i], nodes[f].score, d + 1)
             frontier = sorted(cands, key=lambda c: -nodes[c].score)[:k]
         # 3. Rerank: the best total_tokens - 1 nodes, then topological order (depth, then rank).
-        rank = sorted(range(len(nodes)), key=lambda c: (-nodes[c].score, nodes[c].depth, c))
-        order = {c: r for r, c in enumerate(rank)}
-        keep = sorted(rank[: self.cfg.tree_total_tokens - 1], key=lambda c: (nodes[c].depth, order[c]))
-        new_index = {c: i for i, c in enumerate(keep)}
-        parents = [new_index[nodes[c].parent] if nodes[c].parent >= 0 else -1 for c in keep]
+        keep, parents = keep_best([n.score for n in nodes], [n.depth for n in nodes], [n.parent for n in nodes],
+                                  self.cfg.tree_total_tokens)
         return Proposal(torch.tensor([nodes[c].token for c in keep], dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long))
 
 
