@@ -96,13 +96,13 @@ def _sequence_law(target: Target, prompt: list[int], params: SamplingParams) -> 
     return law
 
 
-def _spec_pvalue(target, drafter, params, n_samples=2000) -> float:
+def _spec_pvalue(target, drafter, params, n_samples=2000, scheduler=None) -> float:
     prompt = [1, 3, 2]
     law = _sequence_law(target, prompt, params)
     counts = dict.fromkeys(law, 0)
     cfg = GenerationConfig(max_new_tokens=N_NEW, gamma=4, stop_on_eos=False)
     for s in range(n_samples):
-        res = generate(target, drafter, prompt, dataclasses.replace(params, seed=s), cfg)
+        res = generate(target, drafter, prompt, dataclasses.replace(params, seed=s), cfg, scheduler=scheduler)
         counts[tuple(res.token_ids)] += 1
     keys = [k for k in law if law[k] > 0]
     assert sum(counts[k] for k in law if law[k] == 0) == 0  # never emits a token the target forbids

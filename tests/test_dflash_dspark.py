@@ -613,6 +613,7 @@ def test_greedy_tree_drafting_equals_plain_greedy(target, method, kw):
     """Trees from the block (tree:DIR at inference) stay lossless: float32 greedy output equals plain
     decoding, served through the batched engine as through `generate`, and they draft deeper than one."""
     from selfdraft.engine import Engine
+    from selfdraft.scheduler import CostTable, Scheduler
 
     prompt, n = [5, 17, 3, 42, 8, 8, 61], 24
     plain = generate(target, NoDrafter(target), prompt, SamplingParams(), GenerationConfig(max_new_tokens=n))
@@ -625,17 +626,28 @@ def test_greedy_tree_drafting_equals_plain_greedy(target, method, kw):
         assert res.token_ids == plain.token_ids
         assert all(r.proposed <= 9 and r.depth <= min(gamma, 5) for r in res.rounds)
     assert max(r.depth for r in res.rounds) > 1
-    engine, gen = Engine(target), GenerationConfig(max_new_tokens=n, gamma=5)
-    prompts = (prompt, prompt[:4])
-    ids = []
-    for p in prompts:
-        d = STRATEGIES[method].drafter(model, cfg, target)
-        d.set_tree(top_k=3, total_tokens=10)
-        ids.append(engine.add_request(p, d, SamplingParams(), gen))
-    results = engine.run()
-    for p, i in zip(prompts, ids):
-        alone = generate(target, NoDrafter(target), p, SamplingParams(), GenerationConfig(max_new_tokens=n))
-        assert results[i].token_ids == alone.token_ids
+    # The hardware scheduler sizes each tree by its c_i = q(node | parent) and the cost table: a free
+    # forward keeps more nodes than a steep one, and the output stays plain greedy's.
+    flat, steep = CostTable((1, 64), (10.0, 10.0)), CostTable((1, 2, 4, 8), (10.0, 9.0, 6.0, 3.0))
+    nodes = {}
+    for table in (flat, steep):
+        res = generate(target, drafter, prompt, SamplingParams(), GenerationConfig(max_new_tokens=n, gamma=5),
+                       scheduler=Scheduler("hardware", cost=table, padded=False))
+        assert res.token_ids == plain.token_ids
+        nodes[table] = sum(r.proposed for r in res.rounds) / len(res.rounds)
+    assert nodes[steep] < nodes[flat] <= 9
+    for sched in (Scheduler("fixed"), Scheduler("hardware", cost=steep)):
+        engine, gen = Engine(target, sched), GenerationConfig(max_new_tokens=n, gamma=5)
+        prompts = (prompt, prompt[:4])
+        ids = []
+        for p in prompts:
+            d = STRATEGIES[method].drafter(model, cfg, target)
+            d.set_tree(top_k=3, total_tokens=10)
+            ids.append(engine.add_request(p, d, SamplingParams(), gen))
+        results = engine.run()
+        for p, i in zip(prompts, ids):
+            alone = generate(target, NoDrafter(target), p, SamplingParams(), GenerationConfig(max_new_tokens=n))
+            assert results[i].token_ids == alone.token_ids
 
 
 def test_tree_spec_loads_a_checkpoint_drafting_trees(target, tmp_path):

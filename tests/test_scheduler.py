@@ -413,3 +413,42 @@ def test_a_noisy_profile_cannot_price_a_wider_forward_above_a_wider_one():
                    batch_tokens=list(range(1, 9)), seconds=[m / 1e3 for m in ms])
     table = prof.cost_table()
     assert [round(1e3 / table(b), 1) for b in range(1, 9)] == [24.7, 32.0, 32.0, 32.0, 32.0, 42.7, 51.0, 68.1]
+
+
+def brute_force_tree(parents: list[int], c: list[float], sps) -> list[int]:
+    """Slow reference for `tree_nodes`: a_i as the product of c over node i's whole path, every prefix
+    of the a-sorted candidates priced from scratch, stopping where Θ first fails to increase."""
+    a = [math.prod(c[j] for j in brute_force_path(parents, i)) for i in range(len(c))]
+    order = sorted((i for i in range(len(c)) if a[i] > 0), key=lambda i: (-a[i], i))
+    theta = lambda n: (1 + sum(a[i] for i in order[:n])) * sps(1 + n)  # noqa: E731
+    n = 0
+    while n < len(order) and theta(n + 1) > theta(n):
+        n += 1
+    return sorted(order[:n])
+
+
+def test_tree_nodes_equal_brute_force_and_algorithm1_on_chains():
+    """Tree sizing: the slow reference on random trees (the kept set is closed under ancestors), the
+    threshold rule, and on a chain-shaped tree exactly Algorithm 1 for one request."""
+    rng = random.Random(1)
+    for _ in range(300):
+        n = rng.randint(0, 12)
+        parents = [rng.randint(-1, i - 1) for i in range(n)]
+        c = [rng.choice([0.0, 1.0, rng.random()]) if rng.random() < 0.1 else rng.random() ** 0.5 for _ in range(n)]
+        table = random_table(rng)
+        got = sched_mod.tree_nodes(torch.tensor(parents), torch.tensor(c), table)
+        assert got == brute_force_tree(parents, c, table), (parents, c, table)
+        assert all(parents[i] < 0 or parents[i] in got for i in got)
+        a = [math.prod(c[j] for j in brute_force_path(parents, i)) for i in range(n)]
+        assert sched_mod.tree_nodes(torch.tensor(parents), torch.tensor(c), None, 0.3) == [i for i in range(n) if a[i] >= 0.3]
+        chain = sched_mod.tree_nodes(torch.arange(n) - 1, torch.tensor(c), table)
+        assert chain == list(range(hardware_lengths([torch.tensor(c, dtype=torch.float64)], table)[0]))
+    parents, c = torch.tensor([-1, -1, 0, 0, 1]), torch.tensor([0.6, 0.3, 0.5, 0.2, 0.9])  # a = .6 .3 .3 .12 .27
+    assert sched_mod.tree_nodes(parents, c, lambda B: 10.0) == [0, 1, 2, 3, 4]  # a free forward: verify all
+    assert sched_mod.tree_nodes(parents, c, lambda B: 10.0 / B) == []  # cost ∝ B: no draft with a < 1 pays
+    # Θ: 1·10 | +.6 → 1.6·10 | +.3 (node 1) → 1.9·9 = 17.1 | +.3 (node 2) → 2.2·7 = 15.4 stop
+    assert sched_mod.tree_nodes(parents, c, CostTable((1, 2, 3, 4), (10.0, 10.0, 9.0, 7.0))) == [0, 1]
+
+
+def brute_force_path(parents: list[int], i: int) -> list[int]:
+    return [] if i < 0 else brute_force_path(parents, parents[i]) + [i]

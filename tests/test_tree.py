@@ -166,20 +166,25 @@ class ModelTreeDrafter(Drafter):
     context and correlated with p (random trees would hide a biased rule: its bias averages out)."""
 
     name = "model-tree"
+    drafts_trees = True
 
     def __init__(self, model) -> None:
         self.model, self.memo = model, {}
 
     @torch.inference_mode()
-    def top2(self, seq: list[int]) -> list[int]:
+    def top2(self, seq: list[int]) -> tuple[list[int], list[float]]:
+        """The top-2 tokens after seq and their probabilities (the c_i a scheduler sizes the tree by)."""
         if tuple(seq) not in self.memo:  # the chi-square test revisits few contexts thousands of times
-            self.memo[tuple(seq)] = self.model(torch.tensor([seq])).logits[0, -1].topk(2).indices.tolist()
+            top = self.model(torch.tensor([seq])).logits[0, -1].softmax(-1).topk(2)
+            self.memo[tuple(seq)] = top.indices.tolist(), top.values.tolist()
         return self.memo[tuple(seq)]
 
     def propose(self, tokens, gamma, params, generator) -> Proposal:
-        a, b = self.top2(list(tokens))
-        toks = [a, b, *self.top2(list(tokens) + [a]), *self.top2(list(tokens) + [b])]
-        return Proposal(torch.tensor(toks), parents=torch.tensor([-1, -1, 0, 0, 1, 1]))
+        (a, b), c = self.top2(list(tokens))
+        (aa, ab), ca = self.top2(list(tokens) + [a])
+        (ba, bb), cb = self.top2(list(tokens) + [b])
+        return Proposal(torch.tensor([a, b, aa, ab, ba, bb]), confidences=torch.tensor(c + ca + cb),
+                        parents=torch.tensor([-1, -1, 0, 0, 1, 1]))
 
 
 class ArgmaxTreeDrafter(Drafter):
@@ -225,6 +230,20 @@ def _tree_drafter() -> ModelTreeDrafter:
 
 def test_sampling_tree_is_lossless_chi_square(small_vocab_target):
     assert _spec_pvalue(small_vocab_target, _tree_drafter(), SamplingParams(temperature=1.0)) > 1e-3
+
+
+def test_sampling_tree_sized_by_the_scheduler_is_lossless_chi_square(small_vocab_target, monkeypatch):
+    """The hardware scheduler keeps the nodes whose a_i pays on a falling cost table (some rounds verify
+    both children of the anchor, others one): the choice reads only the drafts, which are deterministic
+    given the context, so the output law stays p's."""
+    from selfdraft.scheduler import CostTable, Scheduler
+
+    sizes, sized = [], Scheduler.tree
+    monkeypatch.setattr(Scheduler, "tree", lambda self, p, o=0.0: sizes.append(len(sized(self, p, o).tokens)) or sized(self, p, o))
+    table = CostTable((1, 2, 3), (10.0, 8.0, 6.5))
+    p = _spec_pvalue(small_vocab_target, _tree_drafter(), SamplingParams(temperature=1.0), scheduler=Scheduler("hardware", cost=table))
+    assert p > 1e-3
+    assert {1, 2} <= set(sizes), sorted(set(sizes))  # 3 tokens: round 1 may verify depth 1 (2 nodes)
 
 
 def test_chi_square_catches_a_broken_sibling_rule(small_vocab_target, monkeypatch):

@@ -209,8 +209,10 @@ class Speculation:
         """The drafter's proposal for this round, clipped to the budget; with a scheduler, only the
         ℓ drafts it admits (docs/scheduler.md#one-request-online-admission)."""
         d, args = self.drafter, (self.tokens, self.budget, self.params, self.generator)
-        if self.scheduler is None or d.drafts_trees:  # a tree is verified whole
+        if self.scheduler is None:
             return self.clip(d.propose(*args))
+        if d.drafts_trees:  # the nodes worth verifying on this machine (a tree without c_i: all)
+            return self.scheduler.tree(self.clip(d.propose(*args)), self.draft_s)
         admission = self.scheduler.admission(self.draft_s)
         if d.gives_confidences:  # ℓ reads c_1..c_ℓ only (lossless); drafting stops at the first refusal
             return self.clip(d.propose_until(*args, admission))

@@ -196,9 +196,9 @@ class Engine:
             if not self.active:
                 return outputs
             reqs, proposals = self.active, [proposals[r] for r in keep]
-        proposals = [s.clip(p) for s, p in zip(reqs, proposals)]
+        proposals = [self.scheduler.tree(s.clip(p), self._draft_s) for s, p in zip(reqs, proposals)]
         # 2. The scheduler picks ℓ_r from the confidences, SPS and the drafting time (an EMA of past
-        #    steps); a tree keeps depth <= ℓ_r (drafts without confidences are verified in full).
+        #    steps); trees were sized above, each as if alone (drafts without confidences are verified in full).
         ells = self.scheduler.lengths(proposals, overhead_s=self._draft_s)
         proposals = [p.truncate(n) for p, n in zip(proposals, ells)]
         blocks = [s.block(p) for s, p in zip(reqs, proposals)]

@@ -126,6 +126,33 @@ def padded_lengths(
     return [min(W, len(x)) for x in a]
 
 
+def tree_nodes(parents: torch.Tensor, c: torch.Tensor, sps: Callable[[int], float] | None, threshold: float = 0.0) -> list[int]:
+    """Which nodes of a draft tree to verify (docs/scheduler.md#draft-trees). parents: [N] (tree.py),
+    c: [N] c_i ≈ P(node i accepted | its parent accepted) -> kept node indices, ascending.
+
+    a_i = c_i · a_parent is node i's chance to be accepted; a tree verified whole commits
+    τ* = 1 + Σ a_i in expectation (a node counts once: at most one child of a node is accepted).
+    1. Candidates by a descending (ties: lower index, so a parent comes before its children: the
+       kept set is closed under ancestors, as a child never beats its parent's a).
+    2. sps None: keep a_i >= threshold. Else Algorithm 1 with R = 1: admit while Θ = τ* · SPS(1 + n)
+       improves, stop at the first node that does not.
+    Lossless: tree drafts are deterministic given the context (top-k), and so is this choice."""
+    a = c.double().clamp(0.0, 1.0).tolist()
+    for i, p in enumerate(parents.tolist()):  # topological order: the parent's a is final
+        a[i] *= a[p] if p >= 0 else 1.0
+    order = sorted(range(len(a)), key=lambda i: (-a[i], i))
+    if sps is None:
+        return sorted(i for i in order if a[i] >= threshold)
+    tau, best, n = 1.0, sps(1), 0
+    for k, i in enumerate(order, 1):
+        tau += a[i]
+        theta = tau * sps(1 + k)
+        if a[i] <= 0 or theta <= best:
+            break
+        best, n = theta, k
+    return sorted(order[:n])
+
+
 def with_overhead(sps: Callable[[int], float], overhead_s: float) -> Callable[[int], float]:
     """Steps per second of a whole engine step: 1 / (1 / SPS(B) + drafting time). Drafting is paid
     whatever ℓ is, so it makes verifying more worthwhile than SPS(B) alone says."""
@@ -241,17 +268,27 @@ class Scheduler:
             return Admission(None, self.threshold)
         return Admission(with_overhead(self.cost, overhead_s), cost=self.cost)
 
+    def tree(self, proposal: Proposal, overhead_s: float = 0.0) -> Proposal:
+        """The nodes of a draft tree this request verifies (`tree_nodes`); chains, trees without
+        confidences and the fixed scheduler keep the proposal whole."""
+        if self.kind == "fixed" or proposal.parents is None or proposal.confidences is None:
+            return proposal
+        sps = None if self.kind == "threshold" else with_overhead(self.cost, overhead_s)
+        return proposal.subtree(tree_nodes(proposal.parents, proposal.confidences, sps, self.threshold))
+
     def lengths(self, proposals: Sequence[Proposal], overhead_s: float = 0.0) -> list[int]:
         """ℓ_r for each request's proposal. Drafts without confidences are all verified (fixed).
         overhead_s: the step's cost besides the target forward (drafting), for `hardware`."""
         full = [len(p.tokens) for p in proposals]
         if self.kind == "fixed":
             return full
-        blind = [r for r, p in enumerate(proposals) if p.confidences is None and full[r] > 0]
-        if blind and not self._warned:
+        # trees were sized by `tree` already: verified as they are
+        trees = {r for r, p in enumerate(proposals) if p.parents is not None}
+        blind = [r for r, p in enumerate(proposals) if (p.confidences is None or r in trees) and full[r] > 0]
+        if set(blind) - trees and not self._warned:
             warnings.warn(f"{self.kind} scheduler: a drafter gives no confidences; its drafts are verified in full (fixed)")
             self._warned = True
-        scored = [r for r, p in enumerate(proposals) if p.confidences is not None and full[r] > 0]
+        scored = [r for r, p in enumerate(proposals) if p.confidences is not None and r not in trees and full[r] > 0]
         conf = [proposals[r].confidences for r in scored]
         base = len(proposals) + sum(full[r] for r in blind)  # anchors + blind drafts, verified anyway
         if self.kind == "threshold":

@@ -65,13 +65,16 @@ def root_to_leaf_paths(parents: torch.Tensor) -> list[list[int]]:
     return paths
 
 
+def subtree(parents: torch.Tensor, keep: list[int]) -> torch.Tensor:
+    """The parents [M] of the nodes `keep` (ascending, closed under ancestors), re-indexed among them."""
+    index = {old: new for new, old in enumerate(keep)}
+    return torch.tensor([index[p] if p >= 0 else -1 for p in parents[keep].tolist()], dtype=torch.long)
+
+
 def prune_depth(parents: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keep the nodes of depth <= max_depth -> (kept node indices [M], re-indexed parents [M])."""
     keep = (depths(parents) <= max_depth).nonzero().flatten()
-    new_index = torch.full((parents.numel(),), -1, dtype=torch.long)
-    new_index[keep] = torch.arange(keep.numel())
-    old_parents = parents[keep]
-    return keep, torch.where(old_parents < 0, old_parents, new_index[old_parents.clamp_min(0)])
+    return keep, subtree(parents, keep.tolist())
 
 
 def keep_best(scores: list[float], depth: list[int], parents: list[int], total: int) -> tuple[list[int], list[int]]:
@@ -83,6 +86,12 @@ def keep_best(scores: list[float], depth: list[int], parents: list[int], total: 
     keep = sorted(rank[: total - 1], key=lambda c: (depth[c], order[c]))
     new_index = {c: i for i, c in enumerate(keep)}
     return keep, [new_index[parents[c]] if parents[c] >= 0 else -1 for c in keep]
+
+
+def conditionals(scores: list[float], parents: list[int], keep: list[int]) -> torch.Tensor:
+    """[M] the drafter's own q(node | parent) = exp(score - parent's score) of the kept nodes (scores:
+    Σ log q along each path): EAGLE-2's estimate of c_i, what `scheduler.tree_nodes` sizes trees by."""
+    return torch.tensor([scores[c] - (scores[parents[c]] if parents[c] >= 0 else 0.0) for c in keep]).exp()
 
 
 @dataclass

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from selfdraft.config import SamplingParams
+from selfdraft.tree import prune_depth, subtree
 
 if TYPE_CHECKING:
     from selfdraft.scheduler import Admission
@@ -28,7 +29,7 @@ class Proposal:
 
     tokens: torch.Tensor  # [γ'] int64
     q: torch.Tensor | None = None  # [γ', V] probabilities the drafts were sampled from; None = deterministic (one-hot)
-    confidences: torch.Tensor | None = None  # [γ'] c_k ≈ P(draft k accepted | 1..k-1 accepted)
+    confidences: torch.Tensor | None = None  # [γ'] c_k ≈ P(draft k accepted | 1..k-1 accepted); a tree: | its parent accepted
     # A draft tree (EAGLE-2): parent index of each node (-1 = the anchor), parents[i] < i. Tree
     # drafts are deterministic (q is None): verification uses the sibling rule (docs/verification.md#the-sibling-rule, tree.py).
     parents: torch.Tensor | None = None  # [γ'] int64, None = a chain
@@ -45,12 +46,14 @@ class Proposal:
     def truncate(self, n: int) -> "Proposal":
         """Keep the first n drafts (a scheduler verifies only a prefix); a tree keeps depth <= n."""
         if self.parents is not None:
-            from selfdraft.tree import prune_depth
-
-            keep, parents = prune_depth(self.parents, n)
-            return Proposal(self.tokens[keep], parents=parents)
+            return self.subtree(prune_depth(self.parents, n)[0].tolist())
         cut = lambda t: None if t is None else t[:n]  # noqa: E731
         return Proposal(self.tokens[:n], cut(self.q), cut(self.confidences))
+
+    def subtree(self, keep: list[int]) -> "Proposal":
+        """A tree's nodes `keep` (ascending, closed under ancestors), parents re-indexed."""
+        conf = None if self.confidences is None else self.confidences[keep]
+        return Proposal(self.tokens[keep], confidences=conf, parents=subtree(self.parents, keep))
 
 
 class Drafter:

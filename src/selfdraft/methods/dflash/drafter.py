@@ -156,7 +156,7 @@ class DFlashDrafter(TrainedDrafter):
             for i, r in enumerate(live):
                 c = drafters[r].cfg
                 t = model.decode_tree(h[i, : g[i]], U[i, : g[i]], tokens[r][-1], c.tree_top_k, c.tree_total_tokens, vocab)
-                out[r] = Proposal(tokens=t.tokens, parents=t.parents)  # deterministic: the sibling rule verifies it
+                out[r] = Proposal(tokens=t.tokens, parents=t.parents, confidences=t.confidences)  # deterministic: the sibling rule
             return out
         # 2. Left-to-right choice of x_k (DSpark adds the Markov bias and c_k inside decode_blocks);
         #    positions past a request's own γ_r are filled greedily and cut, drawing no randomness.

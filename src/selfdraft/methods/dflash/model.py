@@ -24,7 +24,7 @@ from selfdraft.drafters.blocks import block_positions
 from selfdraft.drafters.layers import KV, InjectedDecoderLayer, LayerShape, RMSNorm, Rotary
 from selfdraft.methods.dflash.config import DFlashConfig
 from selfdraft.target import Target
-from selfdraft.tree import keep_best
+from selfdraft.tree import conditionals, keep_best
 
 Pick = Callable[[int, torch.Tensor], int]  # (k, logits_k [V]) -> chosen draft token x_k
 PickMany = Callable[[int, torch.Tensor], torch.Tensor]  # (k, logits_k [R, V]) -> x_k [R] for R blocks at once
@@ -45,6 +45,7 @@ class DraftTree:
 
     tokens: torch.Tensor  # [N] int64 target ids
     parents: torch.Tensor  # [N] int64 parent node index, -1 = a child of the anchor
+    confidences: torch.Tensor  # [N] float32 q(node | parent): the scheduler's c_i
 
 
 class DFlashModel(nn.Module):
@@ -183,7 +184,8 @@ class DFlashModel(nn.Module):
             frontier, prev, score = base + best.cpu(), ids[best], cand[best]
             s = None if s is None else s[best // top.values.shape[1]]
         keep, kept_parents = keep_best(scores, depth, parents, total)
-        return DraftTree(torch.tensor([tokens[c] for c in keep], dtype=torch.long), torch.tensor(kept_parents, dtype=torch.long))
+        return DraftTree(torch.tensor([tokens[c] for c in keep], dtype=torch.long), torch.tensor(kept_parents, dtype=torch.long),
+                         conditionals(scores, parents, keep))
 
     def decode_block(self, h: torch.Tensor, U: torch.Tensor, x0: int, pick: Pick) -> DraftBlock:
         """One block (h: [γ, H], U: [γ, V]): `decode_blocks` with R = 1."""

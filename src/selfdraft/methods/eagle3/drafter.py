@@ -13,7 +13,7 @@ from selfdraft.methods.eagle3.config import Eagle3Config
 from selfdraft.methods.eagle3.model import Eagle3Model
 from selfdraft.sampling import probs_from_logits, process_logits, sample
 from selfdraft.target import Target, TargetStep
-from selfdraft.tree import keep_best
+from selfdraft.tree import conditionals, keep_best
 
 
 @dataclass
@@ -146,9 +146,10 @@ class Eagle3Drafter(TrainedDrafter):
                 cands += add_children(f, out[0, i], nodes[f].score, d + 1)
             frontier = sorted(cands, key=lambda c: -nodes[c].score)[:k]
         # 3. Rerank: the best total_tokens - 1 nodes, then topological order (depth, then rank).
-        keep, parents = keep_best([n.score for n in nodes], [n.depth for n in nodes], [n.parent for n in nodes],
-                                  self.cfg.tree_total_tokens)
-        return Proposal(torch.tensor([nodes[c].token for c in keep], dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long))
+        scores, parent_of = [n.score for n in nodes], [n.parent for n in nodes]
+        keep, parents = keep_best(scores, [n.depth for n in nodes], parent_of, self.cfg.tree_total_tokens)
+        return Proposal(torch.tensor([nodes[c].token for c in keep], dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long),
+                        confidences=conditionals(scores, parent_of, keep))
 
 
 def frontier_mask(ancestors: list[list[bool]], cached: int, expanded: int, device: torch.device) -> torch.Tensor:
