@@ -162,11 +162,11 @@ def scheduler_for(kind: str, target: Target, drafter, gamma: int, threshold: flo
     if kind not in SCHEDULERS + ("auto",):
         raise ConfigError(f"scheduler must be auto or one of {SCHEDULERS}, got {kind!r}")
     if kind == "auto":
-        adaptive = getattr(drafter, "gives_confidences", False) or batch_tokens is None
+        adaptive = getattr(drafter, "gives_confidences", False) or drafter.drafts_trees or batch_tokens is None
         kind = "hardware" if adaptive and gamma > 0 and drafter.name != "none" else "fixed"
     if kind == "fixed":
         return None
-    cost = cost_table_for(target, batch_tokens or gamma + 1, log) if kind == "hardware" else None
+    cost = cost_table_for(target, batch_tokens or drafter.block_rows(gamma), log) if kind == "hardware" else None
     kw = {} if threshold is None else {"threshold": threshold}  # None: the Scheduler's own default
     return Scheduler(kind, cost=cost, padded=batch_tokens is not None, **kw)
 

@@ -65,6 +65,10 @@ class Drafter:
     gives_confidences: bool = False  # proposals carry c_k (a confidence head): a scheduler can use them
     drafts_trees: bool = False  # proposals are draft trees (verified whole; no ℓ cut)
 
+    def block_rows(self, gamma: int) -> int:
+        """The most rows one round sends through the target forward: the anchor + γ drafts (a tree: its nodes)."""
+        return gamma + 1
+
     def generated(self, tokens: list[int]) -> list[int]:
         """The generated part of `tokens` (prompt + output): what presence/frequency penalties count."""
         return tokens[self.prompt_len :]

@@ -78,6 +78,9 @@ class DFlashDrafter(TrainedDrafter):
     def drafts_trees(self) -> bool:
         return self.cfg.tree
 
+    def block_rows(self, gamma: int) -> int:
+        return self.cfg.tree_total_tokens if self.cfg.tree else gamma + 1
+
     def set_tree(self, on: bool = True, top_k: int | None = None, total_tokens: int | None = None) -> None:
         """Draft trees (or chains, on=False), validated like the config; None keeps the config's size."""
         self.cfg = replace(self.cfg, tree=on, tree_top_k=top_k or self.cfg.tree_top_k,

@@ -43,6 +43,9 @@ class Eagle3Drafter(TrainedDrafter):
     def drafts_trees(self) -> bool:
         return bool(self.cfg.tree_depth)
 
+    def block_rows(self, gamma: int) -> int:
+        return self.cfg.tree_total_tokens if self.drafts_trees else gamma + 1
+
     def set_tree(self, depth: int | None = None, top_k: int | None = None, total_tokens: int | None = None) -> None:
         """Switch to EAGLE-2 tree drafting (depth 0 = chain), validated like the config; None keeps the
         config's value (depth: the config's tree depth, else γ)."""
