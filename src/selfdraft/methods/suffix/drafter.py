@@ -69,10 +69,9 @@ class SuffixDraft:
     def proposal(self) -> Proposal:
         if not self.tokens:
             return Proposal.empty()
-        toks = torch.tensor(self.tokens, dtype=torch.long)
-        if self.parents is not None:
-            return Proposal(toks, parents=torch.tensor(self.parents, dtype=torch.long))
-        return Proposal(toks, confidences=torch.tensor(self.probs, dtype=torch.float32))
+        toks, c = torch.tensor(self.tokens, dtype=torch.long), torch.tensor(self.probs, dtype=torch.float32)
+        parents = None if self.parents is None else torch.tensor(self.parents, dtype=torch.long)
+        return Proposal(toks, confidences=c, parents=parents)  # a tree's c_i: P(node | its parent), what sizes it
 
 
 def draft_from(tree: SuffixTree, context: list[int], gamma: int, cfg: SuffixConfig) -> SuffixDraft:
