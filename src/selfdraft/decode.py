@@ -207,7 +207,7 @@ class Speculation:
 
     def propose(self) -> Proposal:
         """The drafter's proposal for this round, clipped to the budget; with a scheduler, only the
-        ℓ drafts it admits (docs/scheduler.md#one-request-online-admission)."""
+        ℓ drafts it admits (docs/scheduler.md#one-request-online-admission), or a tree's nodes it keeps."""
         d, args = self.drafter, (self.tokens, self.budget, self.params, self.generator)
         if self.scheduler is None:
             return self.clip(d.propose(*args))
