@@ -25,6 +25,7 @@ import torch
 
 from selfdraft.config import ConfigError
 from selfdraft.drafters.base import Proposal
+from selfdraft.tree import path_products
 
 SCHEDULERS = ("fixed", "threshold", "hardware")
 
@@ -137,9 +138,7 @@ def tree_nodes(parents: torch.Tensor, c: torch.Tensor, sps: Callable[[int], floa
     2. sps None: keep a_i >= threshold. Else Algorithm 1 with R = 1: admit while Θ = τ* · SPS(1 + n)
        improves, stop at the first node that does not.
     Lossless: tree drafts are deterministic given the context (top-k), and so is this choice."""
-    a = c.double().clamp(0.0, 1.0).tolist()
-    for i, p in enumerate(parents.tolist()):  # topological order: the parent's a is final
-        a[i] *= a[p] if p >= 0 else 1.0
+    a = path_products(parents.tolist(), c.double().clamp(0.0, 1.0).tolist())
     order = sorted(range(len(a)), key=lambda i: (-a[i], i))
     if sps is None:
         return sorted(i for i in order if a[i] >= threshold)

@@ -66,7 +66,7 @@ def root_to_leaf_paths(parents: torch.Tensor) -> list[list[int]]:
 
 
 def subtree(parents: torch.Tensor, keep: list[int]) -> torch.Tensor:
-    """The parents [M] of the nodes `keep` (ascending, closed under ancestors), re-indexed among them."""
+    """The parents [M] of the nodes `keep` (closed under ancestors, each after its parent), re-indexed among them."""
     index = {old: new for new, old in enumerate(keep)}
     return torch.tensor([index[p] if p >= 0 else -1 for p in parents[keep].tolist()], dtype=torch.long)
 
@@ -77,15 +77,23 @@ def prune_depth(parents: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, to
     return keep, subtree(parents, keep.tolist())
 
 
-def keep_best(scores: list[float], depth: list[int], parents: list[int], total: int) -> tuple[list[int], list[int]]:
+def keep_best(scores: list[float], depth: list[int], parents: list[int], total: int) -> tuple[list[int], torch.Tensor]:
     """EAGLE-2's rerank of a searched tree: the best total - 1 nodes by score (a child never outscores
     its parent, and ties go to the shallower node, so the set is closed under ancestors), in
-    topological order (depth, then rank) -> (kept node indices, their parents re-indexed, -1 = anchor)."""
+    topological order (depth, then rank) -> (kept node indices, their parents [M] re-indexed, -1 = anchor)."""
     rank = sorted(range(len(scores)), key=lambda c: (-scores[c], depth[c], c))
     order = {c: r for r, c in enumerate(rank)}
     keep = sorted(rank[: total - 1], key=lambda c: (depth[c], order[c]))
-    new_index = {c: i for i, c in enumerate(keep)}
-    return keep, [new_index[parents[c]] if parents[c] >= 0 else -1 for c in keep]
+    return keep, subtree(torch.tensor(parents, dtype=torch.long), keep)
+
+
+def path_products(parents: list[int], c: list[float]) -> list[float]:
+    """a_i = c_i · a_parent (a_anchor = 1): each node's product of c along its path (a chain: the
+    prefix products). Nodes in topological order, parents[i] < i."""
+    a: list[float] = []
+    for ci, p in zip(c, parents):
+        a.append(ci * (a[p] if p >= 0 else 1.0))
+    return a
 
 
 def conditionals(scores: list[float], parents: list[int], keep: list[int]) -> torch.Tensor:

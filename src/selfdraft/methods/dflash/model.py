@@ -184,8 +184,7 @@ class DFlashModel(nn.Module):
             frontier, prev, score = base + best.cpu(), ids[best], cand[best]
             s = None if s is None else s[best // top.values.shape[1]]
         keep, kept_parents = keep_best(scores, depth, parents, total)
-        return DraftTree(torch.tensor([tokens[c] for c in keep], dtype=torch.long), torch.tensor(kept_parents, dtype=torch.long),
-                         conditionals(scores, parents, keep))
+        return DraftTree(torch.tensor([tokens[c] for c in keep], dtype=torch.long), kept_parents, conditionals(scores, parents, keep))
 
     def decode_block(self, h: torch.Tensor, U: torch.Tensor, x0: int, pick: Pick) -> DraftBlock:
         """One block (h: [γ, H], U: [γ, V]): `decode_blocks` with R = 1."""

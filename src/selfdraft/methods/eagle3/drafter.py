@@ -151,7 +151,7 @@ class Eagle3Drafter(TrainedDrafter):
         # 3. Rerank: the best total_tokens - 1 nodes, then topological order (depth, then rank).
         scores, parent_of = [n.score for n in nodes], [n.parent for n in nodes]
         keep, parents = keep_best(scores, [n.depth for n in nodes], parent_of, self.cfg.tree_total_tokens)
-        return Proposal(torch.tensor([nodes[c].token for c in keep], dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long),
+        return Proposal(torch.tensor([nodes[c].token for c in keep], dtype=torch.long), parents=parents,
                         confidences=conditionals(scores, parent_of, keep))
 
 

@@ -12,7 +12,6 @@ hardware-aware scheduler can price the drafts like DSpark's.
 from __future__ import annotations
 
 import heapq
-import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -21,6 +20,7 @@ import torch
 from selfdraft.drafters.base import Drafter, Proposal
 from selfdraft.methods.suffix.config import SuffixConfig
 from selfdraft.methods.suffix.tree import SuffixTree, continuation_probs
+from selfdraft.tree import path_products
 
 
 @dataclass
@@ -59,12 +59,7 @@ class SuffixDraft:
     def score(self) -> float:
         """Σ_k of the cumulative path probability: expected accepted drafts (chain); for a tree,
         the expected number of accepted nodes."""
-        if self.parents is None:
-            return sum(math.prod(self.probs[: k + 1]) for k in range(len(self.probs)))
-        cum: list[float] = []
-        for p, parent in zip(self.probs, self.parents):
-            cum.append(p * (cum[parent] if parent >= 0 else 1.0))
-        return sum(cum)
+        return sum(path_products(list(range(-1, len(self.probs) - 1)) if self.parents is None else self.parents, self.probs))
 
     def proposal(self) -> Proposal:
         if not self.tokens:
