@@ -328,6 +328,28 @@ def test_draft_vocabulary_restriction_is_exact_and_lossless(target, method):
     assert res.token_ids == plain.token_ids
 
 
+def test_markov_bias_over_a_draft_vocabulary_runs_in_w2s_kernel(target):
+    """B = W2 e over a draft vocabulary, against W2's gathered rows: exact in float32 (a row-major
+    W2ᵀ), to fp16's rounding of W2 once the linears run FBGEMM's fp16 kernel; rebuilt when W2 changes."""
+    import copy
+
+    from selfdraft.native.quant import Fp16Linear, fbgemm_available, fp16_linears
+
+    model, _ = make("dspark", target, markov_rank=8)
+    ids = torch.arange(1, V, 3)
+    e = torch.randn(3, 8)
+    ref = e @ model.markov.W2.weight[ids].T
+    assert torch.allclose(model._bias_head(ids)(e), ref, atol=1e-6)
+    with torch.no_grad():
+        model.markov.W2.weight.mul_(2)
+    assert torch.allclose(model._bias_head(ids)(e), 2 * ref, atol=1e-6)
+    if fbgemm_available():
+        fast = fp16_linears(copy.deepcopy(model))
+        ref16 = e @ fast.markov.W2.weight[ids].half().float().T
+        assert torch.allclose(fast._bias_head(ids)(e), ref16, atol=1e-2, rtol=1e-2)
+        assert isinstance(fast._bias_head(ids), Fp16Linear)
+
+
 def test_checkpoint_draft_vocabulary_file_is_loaded(target, tmp_path):
     from selfdraft.checkpoint import DRAFT_VOCAB_FILE, CheckpointError, load_checkpoint, save_checkpoint
     from selfdraft.vocab import DraftVocab

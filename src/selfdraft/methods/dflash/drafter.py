@@ -114,8 +114,9 @@ class DFlashDrafter(TrainedDrafter):
         def pad(x: torch.Tensor) -> torch.Tensor:  # [1, n_kv, t_r, d] -> [1, n_kv, T, d]
             return F.pad(x, (0, 0, 0, T - x.shape[2]))
 
-        ctx = [KV(torch.cat([pad(d.ctx[i].k) for d in drafters]), torch.cat([pad(d.ctx[i].v) for d in drafters]))
-               for i in range(len(model.layers))]  # per layer [R, n_kv, T, d]
+        ctx = drafters[0].ctx if len(drafters) == 1 else [  # one request: its own K/V, no copy
+            KV(torch.cat([pad(d.ctx[i].k) for d in drafters]), torch.cat([pad(d.ctx[i].v) for d in drafters]))
+            for i in range(len(model.layers))]  # per layer [R, n_kv, T, d]
         pos = torch.tensor(t, device=dev)[:, None]  # [R, 1]
         mask = block_attention_mask(pos, T, model.block_len)  # [R, L, T + L]: context s < t_r
         anchor_emb = target.embed(torch.tensor([[x[-1]] for x in tokens], device=dev))  # [R, 1, H]

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from selfdraft.drafters.layers import LayerShape
 from selfdraft.methods.dflash.model import DFlashModel, DraftBlock, PickMany, warm_start
 from selfdraft.methods.dspark.config import DSparkConfig
+from selfdraft.native.quant import DenseLinear, Fp16Linear, Linear
 from selfdraft.target import Target
 
 
@@ -96,23 +96,25 @@ class DSparkModel(DFlashModel):
         z = None if self.confidence is None else self._conf_logit(h, prev)
         return HeadOut(e, z)
 
-    def _w2_rows(self, vocab: torch.Tensor | None) -> torch.Tensor:
-        """W2's rows of the draft vocabulary [V', r], gathered once per (vocab, weights version):
-        gathering 8,192 of 49,152 rows every round cost ~1 ms of a ~10 ms draft."""
+    def _bias_head(self, vocab: torch.Tensor | None) -> Linear:
+        """e [.., r] -> W2 e [.., V'] over the draft vocabulary (inference), built once per (vocab,
+        weights version) in the kernel W2 itself runs (FBGEMM's fp16 beside an fp16 target, else a
+        row-major W2ᵀ): gathering 8,192 of 49,152 rows every round cost ~1 ms of a ~10 ms draft, and
+        F.linear's [V', r] operand ~2x the fp16 kernel's time at one row."""
         w = self.markov.W2.weight
-        if vocab is None:
-            return w
-        key = (vocab.data_ptr(), vocab.numel(), w.data_ptr(), w._version)
-        if getattr(self, "_w2_key", None) != key:
-            self._w2_key, self._w2_cache = key, w[vocab].detach()
-        return self._w2_cache
+        key = (None if vocab is None else (vocab.data_ptr(), vocab.numel()), w.data_ptr(), w._version)
+        if getattr(self, "_bias_key", None) != key:
+            rows = (w if vocab is None else w[vocab]).detach()  # [V', r]
+            fp16 = isinstance(self.markov.W2.forward, Fp16Linear)  # native.quant.fp16_linears ran
+            self._bias_key, self._bias_lin = key, Fp16Linear(rows, None) if fp16 else DenseLinear(rows, None)
+        return self._bias_lin
 
     def child_logits(self, h_k, U_k, prev, s, vocab):
         """DFlash's, plus the Markov bias B_k = W2 e_k of each node's own token (its children's x_{k-1})."""
         if self.markov is None:
             return super().child_logits(h_k, U_k, prev, s, vocab)
         e, s = self.markov.step(h_k.expand(prev.shape[0], -1), prev, s)  # [F, r]
-        return U_k + F.linear(e, self._w2_rows(vocab)).float(), s
+        return U_k + self._bias_head(vocab)(e).float(), s
 
     def tree_state(self, h):
         return h.new_zeros(1, self.markov.rank) if self.markov is not None and self.markov.kind == "rnn" else None
@@ -133,7 +135,7 @@ class DSparkModel(DFlashModel):
         R, g = h.shape[:2]
         prev = x0  # [R] target ids
         s = None if self.markov is None else h.new_zeros(R, self.markov.rank)
-        W2 = None if self.markov is None else self._w2_rows(vocab)  # [V' or V, r]
+        bias = None if self.markov is None else self._bias_head(vocab)  # e [R, r] -> [R, V' or V]
         tokens, logits, conf = [], [], []
         for k in range(g):
             c = None if self.confidence is None else self.confidence_at(h[:, k], prev, k)  # [R]
@@ -142,7 +144,7 @@ class DSparkModel(DFlashModel):
             logit = U[:, k] if isinstance(U, torch.Tensor) else U(k)  # [R, V']
             if self.markov is not None:
                 e, s = self.markov.step(h[:, k], prev, s)  # [R, r]
-                logit = logit + F.linear(e, W2).float()
+                logit = logit + bias(e).float()
             idx = pick(k, logit)
             prev = idx if vocab is None else vocab[idx]
             tokens.append(prev)
