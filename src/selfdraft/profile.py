@@ -126,6 +126,12 @@ def load_cost_table(target: Target, dtype: str) -> CostTable:
     return load_profile(target, dtype).cost_table()
 
 
+# Timed rounds of the quick profile: on a 2-core AMD EPYC (Zen 4, 2026-12-03) the fastest of 2 rounds
+# put verify-5 at 1.23 decodes where the fastest of 12 says 1.37 (B = 1..8: 18.5 21.7 22.3 22.8 25.4
+# 28.2 28.9 30.6 ms), so the scheduler drafted 4 where 1-3 paid; 10 rounds cost ~2 s of a 135M target.
+QUICK_REPEATS = 10
+
+
 def cost_table_for(target: Target, max_tokens: int, log=None) -> CostTable:
     """The stored SPS(B) of this target, backend, dtype and thread count when it covers B up to
     max_tokens; otherwise a quick one is measured (B = 1..max_tokens, geometric above 16; KV 256;
@@ -141,7 +147,7 @@ def cost_table_for(target: Target, max_tokens: int, log=None) -> CostTable:
     t0 = time.perf_counter()
     bs = list(range(1, max_tokens + 1)) if max_tokens <= 16 else geometric_batch_tokens(max_tokens)
     kv = max(1, min(256, target.max_context - bs[-1] - 1))  # a small model's context may be shorter
-    prof = measure_sps(target, target.profile_key, bs, kv_len=kv, repeats=2)
+    prof = measure_sps(target, target.profile_key, bs, kv_len=kv, repeats=QUICK_REPEATS)
     save_profile(prof, path)
     if log is not None:
         log(f"measured SPS(B) for the hardware scheduler in {time.perf_counter() - t0:.1f}s -> {path}")

@@ -74,7 +74,7 @@ def profile_cmd(
     target_options: TargetOptions,
     max_tokens: int = typer.Option(128, "--max-tokens", help="largest B measured (the engine sees up to R_max·(γ+1))"),
     kv_len: int = typer.Option(256, "--kv-len", help="cached tokens each measured forward attends to"),
-    repeats: int = typer.Option(5, "--repeats", help="timed forwards per B (the fastest is kept)"),
+    repeats: Optional[int] = typer.Option(None, "--repeats", min=1, help="timed rounds per B, the fastest kept (default: the quick profile's 10)"),
     measure: bool = typer.Option(True, "--measure/--no-measure", help="--no-measure: reuse the stored profile"),
     engine: Optional[str] = typer.Option(None, "--engine", help="also measure engine throughput with this drafter (name or DIR)"),
     concurrency: str = typer.Option("1,4,16", "--concurrency", help="engine: comma list of concurrent requests"),
@@ -90,14 +90,15 @@ def profile_cmd(
     print it and plot it; with --engine, also serve prompts at each concurrency with each scheduler."""
     from selfdraft.bench import load_prompt_set
     from selfdraft.engine import drafter_factory, engine_throughput
-    from selfdraft.profile import geometric_batch_tokens, load_profile, measure_sps, plot_profile, profile_path, save_profile
+    from selfdraft.profile import (QUICK_REPEATS, geometric_batch_tokens, load_profile, measure_sps, plot_profile,
+                                   profile_path, save_profile)
 
     if engine is not None:
         check_gamma(gamma)
     tgt = target_options.load()
     path = profile_path(tgt, tgt.profile_key)
     if measure:
-        prof = measure_sps(tgt, tgt.profile_key, geometric_batch_tokens(max_tokens), kv_len, repeats)
+        prof = measure_sps(tgt, tgt.profile_key, geometric_batch_tokens(max_tokens), kv_len, repeats or QUICK_REPEATS)
         save_profile(prof, path)
         plot_profile(prof, path.with_suffix(".png"))
     else:
