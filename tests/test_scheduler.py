@@ -332,6 +332,13 @@ def test_scheduler_for_auto_measures_once_and_picks_by_drafter(tmp_path, monkeyp
     assert s.kind == "hardware" and s.cost.batch_tokens == (1, 2, 3, 4) and len(logs) == 1
     assert profile_path(target, target.profile_key).exists()
     assert scheduler_for("hardware", target, conf, 3, log=logs.append).cost == s.cost and len(logs) == 1  # reused
+    # bench prices on the machine as it is: a table stored by another process is measured again, once
+    import selfdraft.profile as profile_mod
+
+    monkeypatch.setattr(profile_mod, "_MEASURED_HERE", set())
+    scheduler_for("hardware", target, conf, 3, log=logs.append, fresh=True)
+    scheduler_for("hardware", target, conf, 3, log=logs.append, fresh=True)
+    assert len(logs) == 2
     assert scheduler_for("threshold", target, conf, 3, threshold=0.3).threshold == 0.3
     assert scheduler_for("auto", target, ngram, 3).kind == "hardware"  # one request: its own past acceptance
     with pytest.raises(ConfigError, match="scheduler must be"):

@@ -132,12 +132,16 @@ def load_cost_table(target: Target, dtype: str) -> CostTable:
 QUICK_REPEATS = 10
 
 
-def cost_table_for(target: Target, max_tokens: int, log=None) -> CostTable:
+_MEASURED_HERE: set[Path] = set()  # tables this process measured (`fresh`: once per process)
+
+
+def cost_table_for(target: Target, max_tokens: int, log=None, fresh: bool = False) -> CostTable:
     """The stored SPS(B) of this target, backend, dtype and thread count when it covers B up to
     max_tokens; otherwise a quick one is measured (B = 1..max_tokens, geometric above 16; KV 256;
-    seconds) and stored."""
+    seconds) and stored. fresh (bench): measure once in this process whatever is stored, since a
+    table taken under another load prices forwards of different widths wrongly against each other."""
     path = profile_path(target, target.profile_key)
-    if path.exists():
+    if path.exists() and (not fresh or path in _MEASURED_HERE):
         try:
             prof = load_profile(target, target.profile_key)
             if prof.threads == torch.get_num_threads() and prof.batch_tokens[-1] >= max_tokens:
@@ -149,13 +153,14 @@ def cost_table_for(target: Target, max_tokens: int, log=None) -> CostTable:
     kv = max(1, min(256, target.max_context - bs[-1] - 1))  # a small model's context may be shorter
     prof = measure_sps(target, target.profile_key, bs, kv_len=kv, repeats=QUICK_REPEATS)
     save_profile(prof, path)
+    _MEASURED_HERE.add(path)
     if log is not None:
         log(f"measured SPS(B) for the hardware scheduler in {time.perf_counter() - t0:.1f}s -> {path}")
     return prof.cost_table()
 
 
 def scheduler_for(kind: str, target: Target, drafter, gamma: int, threshold: float | None = None, log=None,
-                  batch_tokens: int | None = None) -> Scheduler | None:
+                  batch_tokens: int | None = None, fresh: bool = False) -> Scheduler | None:
     """The Scheduler a command runs (None: verify every draft). batch_tokens: None for one request
     (generate, bench, demo: Algorithm 1 online, unpadded); the largest forward for the batched
     engine (serve: its padded pricing).
@@ -172,7 +177,7 @@ def scheduler_for(kind: str, target: Target, drafter, gamma: int, threshold: flo
         kind = "hardware" if adaptive and gamma > 0 and drafter.name != "none" else "fixed"
     if kind == "fixed":
         return None
-    cost = cost_table_for(target, batch_tokens or drafter.block_rows(gamma), log) if kind == "hardware" else None
+    cost = cost_table_for(target, batch_tokens or drafter.block_rows(gamma), log, fresh) if kind == "hardware" else None
     kw = {} if threshold is None else {"threshold": threshold}  # None: the Scheduler's own default
     return Scheduler(kind, cost=cost, padded=batch_tokens is not None, **kw)
 

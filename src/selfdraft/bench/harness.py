@@ -292,7 +292,7 @@ def _our_runner(target: "Target", spec: DrafterSpec, cfg: BenchConfig) -> Runner
 
     drafter = load_drafter(spec.source, target, suffix=cfg.suffix)
     scheduler = scheduler_for(spec.scheduler or cfg.scheduler, target, drafter, cfg.gamma,
-                              log=lambda m: print(m, file=sys.stderr))
+                              log=lambda m: print(m, file=sys.stderr), fresh=True)  # priced on the machine as it is now
 
     def run(ids: list[int], seed: int, max_new_tokens: int) -> Sample:
         params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, seed=seed)
