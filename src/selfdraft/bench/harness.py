@@ -492,6 +492,7 @@ def _run(target: "Target", runners: list[Runner], datasets: list[PromptSet], pro
     from selfdraft.progress import progress_bar
 
     machine = machine_info(target)  # before the run: the load average it started under
+    machine["cost_table_ms"] = _cost_table_ms(target)
 
     total = cfg.repeats * sum(len(p) for p in prompts) * len(runners)
     bar = progress_bar(total=total, desc="bench", unit="gen", disable=not cfg.progress)
@@ -521,6 +522,21 @@ def _run(target: "Target", runners: list[Runner], datasets: list[PromptSet], pro
     )
 
 
+def _cost_table_ms(target: "Target") -> dict[str, float] | None:
+    """The hardware scheduler's table as this run priced it (measured at its start): ms per forward by B;
+    None when no runner scheduled by it (the stored table would be another run's)."""
+    from selfdraft.profile import _MEASURED_HERE, profile_path
+
+    path = profile_path(target, target.profile_key)
+    if path not in _MEASURED_HERE:
+        return None
+    prof = json.loads(path.read_text())
+    return {str(b): round(1e3 * t, 2) for b, t in zip(prof["batch_tokens"], prof["seconds"])}
+
+
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8")
+
+
 def machine_info(target: "Target") -> dict:
     """What a reader needs to compare numbers across machines."""
     import transformers
@@ -529,14 +545,16 @@ def machine_info(target: "Target") -> dict:
         cpuinfo = Path("/proc/cpuinfo").read_text()
     except OSError:  # not Linux
         cpuinfo = ""
-    names = [ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines() if ln.startswith("model name")]
-    cpu = names[0] if names else platform.processor()
+    info = lambda key: next((ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines()  # noqa: E731
+                             if ln.split(":", 1)[0].strip() == key), "")
+    flags = set(info("flags").split())
     return {
-        "cpu": cpu,
+        "cpu": info("model name") or platform.processor(),
+        "cpu_family_model": f"{info('cpu family')}/{info('model')}" if info("cpu family") else "",  # tells Zen 4 from Zen 5
+        "cpu_flags": [f for f in CPU_FLAGS if f in flags],  # the units our kernels can use
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "load_average_1m": round(os.getloadavg()[0], 2),  # > cores means other jobs shared the CPU
-        "avx512": "avx512f" in cpuinfo,
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,

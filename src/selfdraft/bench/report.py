@@ -72,11 +72,14 @@ def markdown_report(results: BenchResults) -> str:
         f"- command: `{cfg.command}`" if cfg.command else "- command: (library call)",
         f"- target: {t['name']} ({t['num_layers']} layers, hidden {t['hidden_size']}, vocab {t['vocab_size']}), "
         f"dtype {m['dtype']}",
-        f"- machine: {m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch threads; torch {m['torch']}, "
-        f"transformers {m['transformers']}",
+        f"- machine: {m['cpu']}" + (f" (family/model {m['cpu_family_model']})" if m.get("cpu_family_model") else "")
+        + f", {m['cores']} cores, {m['torch_threads']} torch threads, load average {m['load_average_1m']} at the start; "
+        f"flags {' '.join(m.get('cpu_flags') or ['-'])}; torch {m['torch']}, transformers {m['transformers']}",
         f"- decoding: {mode}, γ = {cfg.gamma}, max {cfg.max_new_tokens} new tokens, {cfg.repeats} pass(es) "
         f"(tokens/s = median over passes), wall {results.wall_s:.0f} s",
         f"- datasets: {sets}",
+        *([f"- the hardware scheduler's cost table, measured at the start (ms per forward of B tokens): "
+           + ", ".join(f"{b}: {ms}" for b, ms in m["cost_table_ms"].items())] if m.get("cost_table_ms") else []),
         "",
         f"τ = mean accepted length per round incl. the bonus token (ceiling γ + 1 = {cfg.gamma + 1}); "
         "acc@k = P(draft k accepted | drafts 1..k−1 accepted), pooled over rounds; speedups are tokens/s "
