@@ -178,11 +178,14 @@ def test_report_files(tiny_results, tmp_path):
     paths = write_report(tiny_results, tmp_path / "out")
     data = json.loads(paths["json"].read_text())
     assert data["config"]["command"] == "test" and data["ceiling_tau"] == 5
-    assert {"cpu", "cores", "torch", "transformers", "dtype"} <= set(data["machine"])
+    assert {"cpu", "cores", "torch", "transformers", "dtype", "cpu_flags", "load_average_1m"} <= set(data["machine"])
+    # ngram under `auto` is scheduled by the hardware rule: the run measured its cost table (B = 1..γ+1) and says so
+    assert list(data["machine"]["cost_table_ms"]) == ["1", "2", "3", "4", "5"]
     assert len(data["metrics"]) == 4 * 2 and "token_ids" not in data["samples"][0]
     md = paths["markdown"].read_text()
     assert "| dataset | runner | τ | drafts acc | tok/s | × none | × HF gen | acc@1 |" in md and "| = none | prefix = none |" in md
     assert "| rep | ngram |" in md and markdown_table(tiny_results) in md
+    assert "cost table, measured at the start (ms per forward of B tokens): 1: " in md and "load average" in md
     for key in ("tau", "acceptance", "speedup"):
         blob = paths[key].read_bytes()
         assert blob.startswith(PNG_MAGIC) and len(blob) > 5000

@@ -159,6 +159,12 @@ def cost_table_for(target: Target, max_tokens: int, log=None, fresh: bool = Fals
     return prof.cost_table()
 
 
+def measured_here(target: Target) -> Profile | None:
+    """The table this process measured for `target` (what a bench run priced), or None."""
+    path = profile_path(target, target.profile_key)
+    return load_profile(target, target.profile_key) if path in _MEASURED_HERE else None
+
+
 def scheduler_for(kind: str, target: Target, drafter, gamma: int, threshold: float | None = None, log=None,
                   batch_tokens: int | None = None, fresh: bool = False) -> Scheduler | None:
     """The Scheduler a command runs (None: verify every draft). batch_tokens: None for one request

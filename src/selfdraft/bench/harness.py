@@ -525,13 +525,10 @@ def _run(target: "Target", runners: list[Runner], datasets: list[PromptSet], pro
 def _cost_table_ms(target: "Target") -> dict[str, float] | None:
     """The hardware scheduler's table as this run priced it (measured at its start): ms per forward by B;
     None when no runner scheduled by it (the stored table would be another run's)."""
-    from selfdraft.profile import _MEASURED_HERE, profile_path
+    from selfdraft.profile import measured_here
 
-    path = profile_path(target, target.profile_key)
-    if path not in _MEASURED_HERE:
-        return None
-    prof = json.loads(path.read_text())
-    return {str(b): round(1e3 * t, 2) for b, t in zip(prof["batch_tokens"], prof["seconds"])}
+    prof = measured_here(target)
+    return None if prof is None else {str(b): round(1e3 * t, 2) for b, t in zip(prof.batch_tokens, prof.seconds)}
 
 
 CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8")
