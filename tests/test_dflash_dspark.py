@@ -76,6 +76,26 @@ def slow_mask(anchor_pos: torch.Tensor, T: int, L: int) -> torch.Tensor:
     return m
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_draft_layer_norm_and_rope_equal_the_textbook_formulas(dtype):
+    """RMSNorm (one call in float32) and rotate-half RoPE (half-width tables) give the bits of the
+    formulas written out: x·rsqrt(mean x² + ε)·w with float32 statistics; x·cos(θ) + rotate_half(x)·sin(θ)."""
+    from selfdraft.drafters.layers import RMSNorm, Rotary
+
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(48, 1e-5)
+    norm.weight.data = torch.randn(48, generator=g)
+    x = (3 * torch.randn(2, 5, 48, generator=g)).to(dtype)
+    x32 = x.float()
+    assert torch.equal(norm(x), norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype))
+    rope = Rotary(16, 10000.0)
+    q, pos = torch.randn(2, 3, 5, 16, generator=g).to(dtype), torch.randint(0, 4000, (2, 5), generator=g)
+    theta = pos[:, None, :, None].float() * rope.inv_freq  # [B, 1, S, d/2]
+    theta = torch.cat([theta, theta], -1)
+    q1, q2 = q.float().chunk(2, -1)
+    assert torch.equal(rope(q, pos), (q.float() * theta.cos() + torch.cat([-q2, q1], -1) * theta.sin()).to(dtype))
+
+
 @pytest.mark.parametrize("anchor_as_first", [True, False])
 def test_block_mask_matches_slow_loop(anchor_as_first):
     gamma = 4
