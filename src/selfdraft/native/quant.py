@@ -184,6 +184,12 @@ class Fp16Linear(Linear):
         return self.out_features * self.in_features * 2
 
 
+def few_row_linear(w: torch.Tensor, fp16: bool) -> Linear:
+    """x [.., K] -> x Wᵀ [.., N] for the few-row products of drafting, over rows w [N, K]: FBGEMM's fp16
+    kernel beside an fp16 target (as its own head runs), else a row-major Wᵀ (DenseLinear)."""
+    return Fp16Linear(w, None) if fp16 else DenseLinear(w, None)
+
+
 def fp16_linears(module: torch.nn.Module) -> torch.nn.Module:
     """`module` (changed in place, for inference) with each nn.Linear's forward through FBGEMM's fp16
     kernel; the float32 parameters stay, for code that reads them (e.g. a head's rows)."""

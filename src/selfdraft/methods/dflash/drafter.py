@@ -14,7 +14,7 @@ from selfdraft.drafters.blocks import block_attention_mask
 from selfdraft.drafters.layers import KV
 from selfdraft.methods.dflash.config import DFlashConfig
 from selfdraft.methods.dflash.model import DFlashModel
-from selfdraft.native.quant import DenseLinear, Fp16Linear
+from selfdraft.native.quant import few_row_linear
 from selfdraft.sampling import block_contexts, probs_from_logits, process_logits, sample
 from selfdraft.target import Target, TargetStep, lm_logits
 
@@ -23,7 +23,7 @@ def draft_vocab_head(target: Target, rows: torch.Tensor):
     """The target's LM-head rows of a draft vocabulary, [V', H], as a function [..., H] -> [..., V']
     float32: through FBGEMM's fp16 kernel beside an fp16 target (as its own head runs), else a dense
     [H, V'] right operand (a few-row product with a row-major right operand is ~2x faster on CPU)."""
-    lin = Fp16Linear(rows, None) if getattr(target, "weights", None) == "fp16" else DenseLinear(rows, None)
+    lin = few_row_linear(rows, getattr(target, "weights", None) == "fp16")
     return lambda h: lin(h.to(rows.dtype)).float()
 
 

@@ -23,7 +23,7 @@ from torch import nn
 from selfdraft.drafters.layers import LayerShape
 from selfdraft.methods.dflash.model import DFlashModel, DraftBlock, PickMany, warm_start
 from selfdraft.methods.dspark.config import DSparkConfig
-from selfdraft.native.quant import DenseLinear, Fp16Linear, Linear
+from selfdraft.native.quant import Fp16Linear, Linear, few_row_linear
 from selfdraft.target import Target
 
 
@@ -106,7 +106,7 @@ class DSparkModel(DFlashModel):
         if getattr(self, "_bias_key", None) != key:
             rows = (w if vocab is None else w[vocab]).detach()  # [V', r]
             fp16 = isinstance(self.markov.W2.forward, Fp16Linear)  # native.quant.fp16_linears ran
-            self._bias_key, self._bias_lin = key, Fp16Linear(rows, None) if fp16 else DenseLinear(rows, None)
+            self._bias_key, self._bias_lin = key, few_row_linear(rows, fp16)
         return self._bias_lin
 
     def child_logits(self, h_k, U_k, prev, s, vocab):
