@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # The DSpark training campaign on fresh data (docs/training.md#the-campaign), one segment at a time.
 #   SRC=DIR nohup scripts/campaign.sh > work/campaign.log 2>&1 &   (SRC: the regen-v1 directory, first time only)
-# A segment = every record of the sources that the committed weights' ledger (checkpoints/dspark-campaign/
+# A segment = every record of the sources that the committed weights' ledger (checkpoints/dspark/
 # ledger.json) does not hold (scripts/campaign_data.py segment), trained from those weights. Rerun the
 # same command after a stop or kill -9: the segment's run resumes exactly (work/ came back) or starts
 # again from the committed weights (a new machine). When a segment is done, ship it and extend the ledger:
-#   python scripts/campaign_data.py ledger --run $OUT --ledger checkpoints/dspark-campaign/ledger.json --out L
-#   python scripts/ship_drafter.py $OUT checkpoints/dspark-campaign && mv L checkpoints/dspark-campaign/ledger.json
+#   python scripts/campaign_data.py ledger --run $OUT --ledger checkpoints/dspark/ledger.json --out L
+#   python scripts/ship_drafter.py $OUT checkpoints/dspark && mv L checkpoints/dspark/ledger.json
 # Sources: regen-v1; every other work/data/regen-v* (more prompts answered the same way, only those the ledger lacks:
-#   selfdraft data regenerate sharegpt --out work/data/regen-v3 --limit 15000 --exclude checkpoints/dspark-campaign/ledger.json \
+#   selfdraft data regenerate sharegpt --out work/data/regen-v3 --limit 15000 --exclude checkpoints/dspark/ledger.json \
 #     --batch-size 32 --threads 1 --dtype bfloat16 --seed 3     (rerun it to finish before a segment is built);
 # the single-turn ShareGPT prompts (13,968 usable) are all answered (regen-v1, v3, v6a/b; the ledger holds their
 # train records); the next pool is their second turns (11,948 conversations have one), each answered after the
 # target's own first answer (--exclude also every single-turn directory the ledger does not cover yet):
-#   selfdraft data regenerate sharegpt --turns 2 --part 0/2 --out work/data/regen-v7a --exclude checkpoints/dspark-campaign/ledger.json \
+#   selfdraft data regenerate sharegpt --turns 2 --part 0/2 --out work/data/regen-v7a --exclude checkpoints/dspark/ledger.json \
 #     --batch-size 32 --threads 1 --dtype bfloat16 --seed 3
 # (and --part 1/2 --out work/data/regen-v7b on the other core);
 # and MAXLEN=1024 trains on both answers (a two-turn conversation runs to 512 + 257 tokens; the default cuts at 512);
@@ -22,7 +22,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
-CKPT=${CKPT:-checkpoints/dspark-campaign}
+CKPT=${CKPT:-checkpoints/dspark}
 mkdir -p work/data work/campaign
 if [ ! -d work/data/regen-v1 ]; then  # a writable copy: the draft vocabulary is written beside the conversations
   if [ -z "${SRC:-}" ]; then

@@ -284,7 +284,7 @@ def read_ledger(path: Path) -> set[str]:
         return set(json.loads(path.read_text())["records"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise DataError(f"{path}: not a readable campaign ledger (a JSON object with a \"records\" list of "
-                        f"\"source:id\" keys, e.g. checkpoints/dspark-campaign/ledger.json) nor a dataset "
+                        f"\"source:id\" keys, e.g. checkpoints/dspark/ledger.json) nor a dataset "
                         f"directory: {e}") from None
 
 
