@@ -16,6 +16,7 @@
 #   selfdraft data regenerate sharegpt --turns 2 --part 0/2 --out work/data/regen-v7a --exclude checkpoints/dspark/ledger.json \
 #     --batch-size 32 --threads 1 --dtype bfloat16 --seed 3
 # (and --part 1/2 --out work/data/regen-v7b on the other core);
+# add --temperature 0 for greedy answers (segment 10: a tie with the sampled ones at 208k tokens, BENCHMARKS.md);
 # and MAXLEN=1024 trains on both answers (a two-turn conversation runs to 512 + 257 tokens; the default cuts at 512);
 # ORIGINAL=N adds N original ShareGPT answers (`data original`, no generation; they lowered the target's
 # acceptance at 150k and at 1.2M tokens, BENCHMARKS.md: the campaign's data is the target's own answers).
