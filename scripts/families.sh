@@ -3,6 +3,7 @@
 # DSpark, DFlash, EAGLE-3 and MTP, each from random init, one after another, 1 thread each.
 # Resumable: rerun the same command after a stop or kill -9 (each run continues from work/families/METHOD).
 #   BUDGET=150000 nohup scripts/families.sh > work/families.log 2>&1 &
+# VAL_EVERY=N adds a validation every N steps (points on the curve); METHODS picks a subset (two lanes: 1 thread each).
 # Then: selfdraft bench --drafters none,dspark:work/families/dspark,dflash:work/families/dflash,... (BENCHMARKS.md)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +12,7 @@ OUT=${OUT:-work/families}
 BUDGET=${BUDGET:-150000}
 # Shared by all four: same data order (seed, batch size), schedule, precision and γ.
 COMMON=(--data "$DATA" --gamma 7 --seed 0 --batch-size 2 --lr 1e-3 --warmup-steps 50 --steps 1000000
-        --token-budget "$BUDGET" --val-every 0 --val-batches 10 --save-every 50 ${BF16:---bf16 --dtype bfloat16}
+        --token-budget "$BUDGET" --val-every "${VAL_EVERY:-0}" --val-batches 10 --save-every 50 ${BF16:---bf16 --dtype bfloat16}
         --threads "${THREADS:-1}")
 BLOCK=(--feature-layers 1,8,14,20,27 --qk-norm --layers 1 --random-init --anchors-per-seq 64
        --loss-vocab-size 16384 --mask-token-id 16)
