@@ -3,6 +3,8 @@ greedy chain/tree decoding, tiny overfits, the native MTP loader, and `selfdraft
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from tests.conftest import tiny_llama
@@ -109,6 +111,57 @@ def test_eagle3_greedy_equals_plain_greedy(target, tree):
         assert res.token_ids == plain.token_ids, gamma
         if tree:
             assert max(r.proposed for r in res.rounds) <= tree["total_tokens"] - 1
+
+
+def _tree_drafters(target: Target, n: int = 2):
+    """n EAGLE-3 tree drafters on copies of one model, begun on the same prompt (so each proposes
+    alike), each counting its head steps."""
+    model, cfg = make("eagle3", target, gamma=5, draft_vocab_size=64)
+    reduced_vocab(model, target)
+    full = target.forward(torch.tensor([PROMPT]), None, FEATS)
+    out = []
+    for _ in range(n):
+        d = STRATEGIES["eagle3"].drafter(copy.deepcopy(model), cfg, target)
+        d.set_tree(depth=5, top_k=4, total_tokens=30)
+        d.begin(PROMPT, TargetStep(None, full.features, full.last_hidden))
+        steps = []
+        d.model.step = lambda *a, _step=d.model.step, _n=steps: _n.append(1) or _step(*a)
+        out.append((d, steps))
+    return out
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.02, 0.05, 0.2])
+def test_eagle3_tree_grown_by_the_threshold_rule_equals_the_full_tree_cut(target, threshold):
+    """A node whose a_i is under the threshold has no descendant above it, so growing only the nodes
+    the rule keeps gives exactly the full EAGLE-2 tree cut by the rule, for fewer head steps."""
+    from selfdraft.scheduler import Scheduler
+
+    (full, full_steps), (grown, grown_steps) = _tree_drafters(target)
+    rule = Scheduler("threshold", threshold=threshold).tree_rule()
+    tokens, params = PROMPT + [11], SamplingParams()
+    want = full.propose_tree(tokens, 5, params, None, None).keep(rule)
+    got = grown.propose_tree(tokens, 5, params, None, rule)
+    assert got.tokens.tolist() == want.tokens.tolist() and got.parents.tolist() == want.parents.tolist()
+    torch.testing.assert_close(got.confidences, want.confidences)
+    assert len(grown_steps) <= len(full_steps)
+    if threshold >= 0.05:
+        assert len(grown_steps) < len(full_steps), (threshold, len(grown_steps), len(full_steps))
+
+
+def test_eagle3_tree_grown_by_the_hardware_rule_is_lossless(target):
+    """The hardware rule sizes the tree as it grows (a cost table where extra rows cost a little):
+    greedy output equals plain greedy, and the tree is smaller than the fixed scheduler's."""
+    from selfdraft.scheduler import CostTable, Scheduler
+
+    n = 24
+    plain = generate(target, NoDrafter(), PROMPT, config=GenerationConfig(max_new_tokens=n))
+    sched = Scheduler("hardware", cost=CostTable((1, 2, 4, 8), (100.0, 97.0, 93.0, 85.0)))
+    (d, steps), = _tree_drafters(target, 1)
+    res = generate(target, d, PROMPT, config=GenerationConfig(max_new_tokens=n, gamma=5), scheduler=sched)
+    assert res.token_ids == plain.token_ids
+    fixed = generate(target, d, PROMPT, config=GenerationConfig(max_new_tokens=n, gamma=5))
+    assert fixed.token_ids == plain.token_ids
+    assert max(r.proposed for r in res.rounds) < max(r.proposed for r in fixed.rounds)
 
 
 def test_eagle3_tree_sampling_runs(target):

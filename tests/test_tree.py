@@ -238,8 +238,13 @@ def test_sampling_tree_sized_by_the_scheduler_is_lossless_chi_square(small_vocab
     given the context, so the output law stays p's."""
     from selfdraft.scheduler import CostTable, Scheduler
 
-    sizes, sized = [], Scheduler.tree
-    monkeypatch.setattr(Scheduler, "tree", lambda self, p, o=0.0: sizes.append(len(sized(self, p, o).tokens)) or sized(self, p, o))
+    sizes, rule_of = [], Scheduler.tree_rule
+
+    def recorded(self, overhead_s=0.0):
+        rule = rule_of(self, overhead_s)
+        return lambda parents, c: sizes.append(len(kept := rule(parents, c))) or kept
+
+    monkeypatch.setattr(Scheduler, "tree_rule", recorded)
     table = CostTable((1, 2, 3), (10.0, 8.0, 6.5))
     p = _spec_pvalue(small_vocab_target, _tree_drafter(), SamplingParams(temperature=1.0), scheduler=Scheduler("hardware", cost=table))
     assert p > 1e-3

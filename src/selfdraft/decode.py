@@ -212,7 +212,7 @@ class Speculation:
         if self.scheduler is None:
             return self.clip(d.propose(*args))
         if d.drafts_trees:  # the nodes worth verifying on this machine (a tree without c_i: all)
-            return self.scheduler.tree(self.clip(d.propose(*args)), self.draft_s)
+            return self.clip(d.propose_tree(*args, self.scheduler.tree_rule(self.draft_s)))
         admission = self.scheduler.admission(self.draft_s)
         if d.gives_confidences:  # ℓ reads c_1..c_ℓ only (lossless); drafting stops at the first refusal
             return self.clip(d.propose_until(*args, admission))

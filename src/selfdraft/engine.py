@@ -186,7 +186,7 @@ class Engine:
         errors: dict[int, Exception] = {}
         proposals = propose_all(
             [s.drafter for s in reqs], [s.tokens for s in reqs], [s.budget for s in reqs],
-            [s.params for s in reqs], [s.generator for s in reqs], errors,
+            [s.params for s in reqs], [s.generator for s in reqs], errors, self.scheduler.tree_rule(self._draft_s),
         )
         if errors:  # those requests fail alone; the others go on as if they had never been there
             keep = [r for r in range(len(reqs)) if r not in errors]

@@ -152,6 +152,10 @@ def tree_nodes(parents: torch.Tensor, c: torch.Tensor, sps: Callable[[int], floa
     return sorted(order[:n])
 
 
+# parents [N], c [N] -> the node indices to verify, ascending and closed under ancestors (`tree_nodes`)
+TreeRule = Callable[[torch.Tensor, torch.Tensor], list[int]]
+
+
 def with_overhead(sps: Callable[[int], float], overhead_s: float) -> Callable[[int], float]:
     """Steps per second of a whole engine step: 1 / (1 / SPS(B) + drafting time). Drafting is paid
     whatever ℓ is, so it makes verifying more worthwhile than SPS(B) alone says."""
@@ -267,13 +271,19 @@ class Scheduler:
             return Admission(None, self.threshold)
         return Admission(with_overhead(self.cost, overhead_s), cost=self.cost)
 
-    def tree(self, proposal: Proposal, overhead_s: float = 0.0) -> Proposal:
-        """The nodes of a draft tree this request verifies (`tree_nodes`); chains, trees without
-        confidences and the fixed scheduler keep the proposal whole."""
-        if self.kind == "fixed" or proposal.parents is None or proposal.confidences is None:
-            return proposal
+    def tree_rule(self, overhead_s: float = 0.0) -> TreeRule | None:
+        """The rule choosing which nodes of a draft tree this request verifies (`tree_nodes` on this
+        machine's SPS), or None (fixed: the whole tree). A drafter growing a tree depth by depth
+        asks it which frontier nodes are worth expanding (Drafter.propose_tree)."""
+        if self.kind == "fixed":
+            return None
         sps = None if self.kind == "threshold" else with_overhead(self.cost, overhead_s)
-        return proposal.subtree(tree_nodes(proposal.parents, proposal.confidences, sps, self.threshold))
+        return lambda parents, c: tree_nodes(parents, c, sps, self.threshold)
+
+    def tree(self, proposal: Proposal, overhead_s: float = 0.0) -> Proposal:
+        """The nodes of a draft tree this request verifies (`tree_rule`); chains, trees without
+        confidences and the fixed scheduler keep the proposal whole."""
+        return proposal.keep(self.tree_rule(overhead_s))
 
     def lengths(self, proposals: Sequence[Proposal], overhead_s: float = 0.0) -> list[int]:
         """ℓ_r for each request's proposal. Drafts without confidences are all verified (fixed).

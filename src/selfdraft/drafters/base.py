@@ -18,7 +18,7 @@ from selfdraft.config import SamplingParams
 from selfdraft.tree import prune_depth, subtree
 
 if TYPE_CHECKING:
-    from selfdraft.scheduler import Admission
+    from selfdraft.scheduler import Admission, TreeRule
     from selfdraft.target import Target, TargetStep
     from selfdraft.verify import Verification
 
@@ -49,6 +49,13 @@ class Proposal:
             return self.subtree(prune_depth(self.parents, n)[0].tolist())
         cut = lambda t: None if t is None else t[:n]  # noqa: E731
         return Proposal(self.tokens[:n], cut(self.q), cut(self.confidences))
+
+    def keep(self, rule: "TreeRule | None") -> "Proposal":
+        """A tree cut to the nodes `rule` chooses from its confidences (the scheduler's); chains,
+        trees without confidences and rule None stay whole."""
+        if rule is None or self.parents is None or self.confidences is None:
+            return self
+        return self.subtree(rule(self.parents, self.confidences))
 
     def subtree(self, keep: list[int]) -> "Proposal":
         """A tree's nodes `keep` (ascending, closed under ancestors), parents re-indexed."""
@@ -92,6 +99,12 @@ class Drafter:
             return p
         return p.truncate(admission.count(p.confidences))
 
+    def propose_tree(self, tokens: list[int], gamma: int, params: SamplingParams, generator: torch.Generator | None,
+                     rule: "TreeRule | None") -> Proposal:
+        """propose() (a draft tree), cut to the nodes the scheduler's rule verifies (None: all). A
+        drafter that pays a step per depth overrides this to stop growing paths the rule would cut."""
+        return self.propose(tokens, gamma, params, generator).keep(rule)
+
     def observe(self, verification: "Verification", step: "TargetStep") -> None:
         """After verification: step is sliced to the committed positions ([1, n_accepted + 1, ...]):
         the previous anchor and the accepted drafts. The new anchor is verification.next_token."""
@@ -116,8 +129,10 @@ class Drafter:
 def propose_all(
     drafters: list[Drafter], tokens: list[list[int]], gammas: list[int], params: list[SamplingParams],
     generators: list[torch.Generator | None], errors: dict[int, Exception] | None = None,
+    tree_rule: "TreeRule | None" = None,
 ) -> list[Proposal]:
-    """Every request's proposal, drafters sharing a `batch_key` in one batched call each.
+    """Every request's proposal, drafters sharing a `batch_key` in one batched call each; a tree
+    drafter drafting alone grows its tree by the scheduler's `tree_rule` (Drafter.propose_tree).
 
     With `errors` given, a failing call does not raise: a batched group that fails is retried one
     request at a time from the generator states it started with (batched drafters keep no state in
@@ -131,6 +146,11 @@ def propose_all(
     out: list[Proposal] = [Proposal.empty()] * len(drafters)
 
     def call(idx: list[int]) -> None:
+        d = drafters[idx[0]]
+        if len(idx) == 1 and d.drafts_trees and tree_rule is not None:
+            r = idx[0]
+            out[r] = d.propose_tree(tokens[r], gammas[r], params[r], generators[r], tree_rule)
+            return
         pick = lambda xs: [xs[r] for r in idx]  # noqa: E731
         for r, p in zip(idx, type(drafters[idx[0]]).propose_many(
             pick(drafters), pick(tokens), pick(gammas), pick(params), pick(generators)

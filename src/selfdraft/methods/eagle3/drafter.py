@@ -12,6 +12,7 @@ from selfdraft.drafters.layers import KV
 from selfdraft.methods.eagle3.config import Eagle3Config
 from selfdraft.methods.eagle3.model import Eagle3Model
 from selfdraft.sampling import probs_from_logits, process_logits, sample
+from selfdraft.scheduler import TreeRule
 from selfdraft.target import Target, TargetStep
 from selfdraft.tree import conditionals, keep_best
 
@@ -82,14 +83,19 @@ class Eagle3Drafter(TrainedDrafter):
         full = logits.new_full((self.target.vocab_size,), float("-inf"))
         return full.index_put_((self.model.target_ids,), logits)
 
-    @torch.inference_mode()
     def propose(self, tokens: list[int], gamma: int, params: SamplingParams, generator) -> Proposal:
+        return self.propose_tree(tokens, gamma, params, generator, None)
+
+    @torch.inference_mode()
+    def propose_tree(self, tokens: list[int], gamma: int, params: SamplingParams, generator,
+                     rule: TreeRule | None) -> Proposal:
+        """A chain, or a tree grown only along paths the scheduler's rule would verify (`build_tree`)."""
         assert self.ctx_len + self.pending.shape[0] == len(tokens) - 1, "drafter out of sync with the tokens"
         h = self._flush(tokens)  # 1. cache the newly committed slots
         if gamma <= 0:
             return Proposal.empty()
         if self.cfg.tree_depth:
-            return self.build_tree(h, tokens[-1], min(gamma, self.cfg.tree_depth))
+            return self.build_tree(h, tokens[-1], min(gamma, self.cfg.tree_depth), rule).keep(rule)
         # 2. Chain: γ head steps, each fed the previous output and the previous draft. A draft stays
         #    on the device (a 0-dim tensor) unless penalties need it on the host: greedy drafting does
         #    not wait for the GPU until the proposal is copied out.
@@ -110,11 +116,16 @@ class Eagle3Drafter(TrainedDrafter):
         q = None if params.greedy else torch.stack(qs)
         return Proposal(torch.stack(drafts).long(), q)
 
-    def build_tree(self, h: torch.Tensor, anchor: int, depth: int) -> Proposal:
+    def build_tree(self, h: torch.Tensor, anchor: int, depth: int, rule: TreeRule | None = None) -> Proposal:
         """EAGLE-2 dynamic tree: expand the top-k children of each frontier node, score nodes by the
         cumulative draft log-prob, keep the global top-k per depth as the next frontier; finally keep
         the best total_tokens - 1 nodes (an ancestor-closed set: a child never outscores its parent,
-        ties go to the shallower node). Children are deterministic (q one-hot: the sibling rule)."""
+        ties go to the shallower node). Children are deterministic (q one-hot: the sibling rule).
+
+        rule (the scheduler's, Scheduler.tree_rule): a frontier node is expanded only if the rule
+        would verify it in the tree grown so far. Its descendants' a_i never exceed its own, so a
+        node the rule cuts rarely has a descendant worth verifying: each head step (one per depth,
+        the cost of a tree here) is paid only where the scheduler could use it."""
         k = min(self.cfg.tree_top_k, self.model.d2t.numel())
         nodes: list[TreeNode] = []
         expanded: list[int] = []  # node indices whose K/V are in `kv`, in order
@@ -132,8 +143,17 @@ class Eagle3Drafter(TrainedDrafter):
                 nodes.append(TreeNode(tok, parent, d, base + lp, anc | {len(nodes)}))
             return new
 
-        frontier = add_children(-1, h, 0.0, 1)
+        def worth(frontier: list[int]) -> list[int]:  # the frontier nodes the rule would verify now
+            if rule is None:
+                return frontier
+            parent_of = [n.parent for n in nodes]
+            kept = set(rule(torch.tensor(parent_of), conditionals([n.score for n in nodes], parent_of, range(len(nodes)))))
+            return [f for f in frontier if f in kept]
+
+        frontier = worth(add_children(-1, h, 0.0, 1))
         for d in range(1, depth):
+            if not frontier:
+                break
             # 1. One head step over the frontier (position ctx_len + d - 1), each node seeing its ancestors.
             F_ = frontier
             g = torch.stack([outs.get(nodes[f].parent, h) for f in F_])[None]  # [1, |F|, H]
@@ -147,7 +167,7 @@ class Eagle3Drafter(TrainedDrafter):
             for i, f in enumerate(F_):
                 outs[f] = out[0, i]
                 cands += add_children(f, out[0, i], nodes[f].score, d + 1)
-            frontier = sorted(cands, key=lambda c: -nodes[c].score)[:k]
+            frontier = worth(sorted(cands, key=lambda c: -nodes[c].score)[:k])
         # 3. Rerank: the best total_tokens - 1 nodes, then topological order (depth, then rank).
         scores, parent_of = [n.score for n in nodes], [n.parent for n in nodes]
         keep, parents = keep_best(scores, [n.depth for n in nodes], parent_of, self.cfg.tree_total_tokens)
