@@ -184,9 +184,10 @@ class Engine:
         # 1. Every request proposes within its budget (drafters sharing weights in one batched call).
         t0 = time.perf_counter()
         errors: dict[int, Exception] = {}
+        tree_rule = self.scheduler.tree_rule(self._draft_s)  # the nodes of a tree worth verifying here
         proposals = propose_all(
             [s.drafter for s in reqs], [s.tokens for s in reqs], [s.budget for s in reqs],
-            [s.params for s in reqs], [s.generator for s in reqs], errors, self.scheduler.tree_rule(self._draft_s),
+            [s.params for s in reqs], [s.generator for s in reqs], errors, tree_rule,
         )
         if errors:  # those requests fail alone; the others go on as if they had never been there
             keep = [r for r in range(len(reqs)) if r not in errors]
@@ -196,7 +197,7 @@ class Engine:
             if not self.active:
                 return outputs
             reqs, proposals = self.active, [proposals[r] for r in keep]
-        proposals = [self.scheduler.tree(s.clip(p), self._draft_s) for s, p in zip(reqs, proposals)]
+        proposals = [s.clip(p).keep(tree_rule) for s, p in zip(reqs, proposals)]  # batched trees: cut here
         # 2. The scheduler picks ℓ_r from the confidences, SPS and the drafting time (an EMA of past
         #    steps); trees were sized above, each as if alone (drafts without confidences are verified in full).
         ells = self.scheduler.lengths(proposals, overhead_s=self._draft_s)

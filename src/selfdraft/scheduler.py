@@ -280,11 +280,6 @@ class Scheduler:
         sps = None if self.kind == "threshold" else with_overhead(self.cost, overhead_s)
         return lambda parents, c: tree_nodes(parents, c, sps, self.threshold)
 
-    def tree(self, proposal: Proposal, overhead_s: float = 0.0) -> Proposal:
-        """The nodes of a draft tree this request verifies (`tree_rule`); chains, trees without
-        confidences and the fixed scheduler keep the proposal whole."""
-        return proposal.keep(self.tree_rule(overhead_s))
-
     def lengths(self, proposals: Sequence[Proposal], overhead_s: float = 0.0) -> list[int]:
         """ℓ_r for each request's proposal. Drafts without confidences are all verified (fixed).
         overhead_s: the step's cost besides the target forward (drafting), for `hardware`."""

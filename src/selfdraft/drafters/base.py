@@ -70,7 +70,7 @@ class Drafter:
     feature_layers: tuple[int, ...] = ()  # target layers whose hidden states this drafter reads
     prompt_len: int = 0  # set by the decoding loop after begin(): penalties count tokens[prompt_len:]
     gives_confidences: bool = False  # proposals carry c_k (a confidence head): a scheduler can use them
-    drafts_trees: bool = False  # proposals are draft trees (no ℓ cut: the scheduler keeps nodes, Scheduler.tree)
+    drafts_trees: bool = False  # proposals are draft trees (no ℓ cut: the scheduler keeps nodes, Scheduler.tree_rule)
 
     def block_rows(self, gamma: int) -> int:
         """The most rows one round sends through the target forward: the anchor + γ drafts (a tree: its nodes)."""
