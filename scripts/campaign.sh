@@ -6,7 +6,7 @@
 # same command after a stop or kill -9: the segment's run resumes exactly (work/ came back) or starts
 # again from the committed weights (a new machine). When a segment is done, ship it and extend the ledger:
 #   python scripts/campaign_data.py ledger --run $OUT --ledger checkpoints/dspark/ledger.json --out L
-#   python scripts/ship_drafter.py $OUT checkpoints/dspark && mv L checkpoints/dspark/ledger.json
+#   python scripts/ship_drafter.py $OUT checkpoints/dspark && mv L checkpoints/dspark/ledger.json   (adds the segment to the lineage)
 # Sources: regen-v1; every other work/data/regen-v* (more prompts answered the same way, only those the ledger lacks:
 #   selfdraft data regenerate sharegpt --out work/data/regen-v3 --limit 15000 --exclude checkpoints/dspark/ledger.json \
 #     --batch-size 32 --threads 1 --dtype bfloat16 --seed 3     (rerun it to finish before a segment is built);

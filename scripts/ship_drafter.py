@@ -37,9 +37,31 @@ def ship(src: Path, dst: Path) -> None:
     cfg = json.loads((tmp / "config.json").read_text())
     cfg["provenance"] = portable(cfg.get("provenance", {}))
     cfg["provenance"]["shipped"] = {"from": portable(str(src)), "weights": "cast to bfloat16 for the repository"}
+    carry_lineage(cfg["provenance"], dst)
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     shutil.rmtree(dst, ignore_errors=True)
     tmp.replace(dst)
+
+
+def carry_lineage(prov: dict, dst: Path) -> None:
+    """A campaign segment warm-started from the weights it replaces keeps their lineage (`campaign`, one
+    entry per segment, and `campaign_ledger`) and adds itself to it, so the shipped weights always say
+    every segment they came from."""
+    old = dst / "config.json"
+    train = prov.get("train", {})
+    if not old.exists() or Path(str(train.get("init_from", ""))).resolve() != dst.resolve():
+        return
+    before = json.loads(old.read_text()).get("provenance", {})
+    if "campaign" not in before:
+        return
+    lineage = before["campaign"]
+    prev = lineage[-1]
+    lineage.append({"segment": prev["segment"] + 1, "started_from": f"segment {prev['segment']} (step {prev['steps']})",
+                    "data": train.get("data"), "steps": prov.get("steps"), "tokens": prov.get("tokens"),
+                    "recipe": f"lr {train.get('lr')}, {train.get('warmup_steps')} warmup steps, cosine over the "
+                              f"segment, max_seq_len {train.get('max_seq_len')}"})
+    prov["campaign"] = lineage
+    prov["campaign_ledger"] = before.get("campaign_ledger")
 
 
 def thin_log(text: str, every: int = 10) -> str:

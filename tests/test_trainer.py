@@ -341,3 +341,25 @@ def test_the_final_validation_reaches_the_log_on_disk(toy_method, tiny_target, d
     log = [json.loads(x) for x in (tmp_path / "out" / "train_log.jsonl").read_text().splitlines()]
     assert [v.step for v in res.val] == [4, 8, 10]
     assert [x["step"] for x in log if x["kind"] == "val"] == [4, 8, 10]
+
+
+def test_shipping_a_segment_keeps_the_campaign_lineage(tmp_path):
+    """scripts/ship_drafter.py: a run warm-started from the weights it replaces adds itself to their lineage;
+    any other run (a fresh drafter, another source) ships without one."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ship_drafter", "scripts/ship_drafter.py")
+    ship = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ship)
+    dst = tmp_path / "dspark"
+    dst.mkdir()
+    lineage = [{"segment": 0, "steps": 10, "tokens": 100}]
+    (dst / "config.json").write_text(json.dumps({"provenance": {"campaign": lineage, "campaign_ledger": "ledger.json"}}))
+    prov = {"steps": 5, "tokens": 50, "train": {"init_from": str(dst), "data": "seg", "lr": 1e-4}}
+    ship.carry_lineage(prov, dst)
+    assert [e["segment"] for e in prov["campaign"]] == [0, 1]
+    assert prov["campaign"][1]["tokens"] == 50 and prov["campaign"][1]["started_from"] == "segment 0 (step 10)"
+    assert prov["campaign_ledger"] == "ledger.json"
+    fresh = {"steps": 5, "tokens": 50, "train": {"init_from": None}}
+    ship.carry_lineage(fresh, dst)
+    assert "campaign" not in fresh
