@@ -39,6 +39,7 @@ class DFlashDrafter(TrainedDrafter):
         super().__init__(model, cfg, target)
         self.ctx: list[KV] = []
         self.ctx_len = 0
+        self.last_c: torch.Tensor | None = None  # [H] C of the last committed position (context_residual)
         self.gives_confidences = getattr(model, "confidence", None) is not None  # DSpark's head
         self.vocab: torch.Tensor | None = None  # [V'] draft vocabulary (target ids), None = all V
         self.head = lambda h: lm_logits(target, h)  # [..., H] -> U [..., V'] float32 (the target's LM head)
@@ -63,12 +64,15 @@ class DFlashDrafter(TrainedDrafter):
         """features: [n, n_feat, H] of the next n committed positions -> extend the context K/V."""
         n = features.shape[0]
         pos = torch.arange(self.ctx_len, self.ctx_len + n, device=features.device)[None]  # [1, n]
-        new = self.model.context_kv(self.model.context(features[None]), pos)
+        c = self.model.context(features[None])  # [1, n, H]
+        new = self.model.context_kv(c, pos)
         self.ctx = new if not self.ctx else [old.append(kv) for old, kv in zip(self.ctx, new)]
         self.ctx_len += n
+        if n:
+            self.last_c = c[0, -1]
 
     def begin(self, prompt_ids: list[int], step: TargetStep) -> None:
-        self.ctx, self.ctx_len = [], 0
+        self.ctx, self.ctx_len, self.last_c = [], 0, None
         self._append(step.features[0])  # [P, n_feat, H]
 
     def observe(self, verification, step: TargetStep) -> None:
@@ -120,7 +124,8 @@ class DFlashDrafter(TrainedDrafter):
         pos = torch.tensor(t, device=dev)[:, None]  # [R, 1]
         mask = block_attention_mask(pos, T, model.block_len)  # [R, L, T + L]: context s < t_r
         anchor_emb = target.embed(torch.tensor([[x[-1]] for x in tokens], device=dev))  # [R, 1, H]
-        return model.backbone(ctx, anchor_emb, pos, mask)[:, 0]  # [R, γ, H]
+        last_c = None if model.slot_context is None else torch.stack([d.last_c for d in drafters])[:, None]  # [R, 1, H]
+        return model.backbone(ctx, anchor_emb, pos, mask, last_c)[:, 0]  # [R, γ, H]
 
     def propose(
         self, tokens: list[int], gamma: int, params: SamplingParams, generator: torch.Generator | None

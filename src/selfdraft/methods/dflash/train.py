@@ -109,7 +109,11 @@ def teacher_forced_blocks(
     ctx = model.context_kv(c, torch.arange(T, device=ids.device).expand(B, T))
     anchor_emb = target.embed(ids.gather(1, anchors.pos))  # [B, A, H]
     mask = block_attention_mask(anchors.pos, T, model.block_len)  # [B, A·L, T + A·L]
-    h = model.backbone(ctx, anchor_emb, anchors.pos, mask)  # [B, A, γ, H]
+    last_c = None
+    if model.slot_context is not None:  # C_{t-1} of every anchor (zero at t = 0: no context)
+        last_c = c.gather(1, (anchors.pos - 1).clamp(min=0)[..., None].expand(-1, -1, c.shape[-1]))  # [B, A, H]
+        last_c = last_c * (anchors.pos > 0)[..., None]
+    h = model.backbone(ctx, anchor_emb, anchors.pos, mask, last_c)  # [B, A, γ, H]
     return TeacherForced(h=h, gold=gather(ids), prev=prev, src=src, valid=valid)
 
 
