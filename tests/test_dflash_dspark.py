@@ -195,24 +195,25 @@ def replay_positions(model, target, batch, tf, cfg):
 
 @pytest.mark.parametrize("head", ["vanilla", "rnn"])
 def test_dspark_loss_parts_match_direct_loop(target, head):
-    model, cfg = make("dspark", target, gamma=3, markov_head=head, markov_rank=8, anchors_per_seq=4)
+    model, cfg = make("dspark", target, gamma=3, markov_head=head, markov_rank=8, anchors_per_seq=4, w_kl=0.3)
     batch = make_batch(target)
     out = STRATEGIES["dspark"].loss(model, batch, target, cfg, torch.Generator().manual_seed(7))
     with torch.no_grad():
         tf = teacher_forced_blocks(model, batch, target, cfg, torch.Generator().manual_seed(7))
-    sums = {"ce": 0.0, "tv": 0.0, "alpha": 0.0, "conf": 0.0, "w": 0.0}
+    sums = {"ce": 0.0, "tv": 0.0, "kl": 0.0, "alpha": 0.0, "conf": 0.0, "w": 0.0}
     for w, logits, p_t, gold, c in replay_positions(model, target, batch, tf, cfg):
         p_d = torch.softmax(logits, -1)
         tv = sum(abs(a - b) for a, b in zip(p_d.tolist(), p_t.tolist()))
         c_star = 1 - tv / 2
         sums["ce"] += w * -math.log(p_d[gold].item())
+        sums["kl"] += w * -sum(a * math.log(b) for a, b in zip(p_t.tolist(), p_d.tolist()))
         sums["tv"] += w * tv
         sums["alpha"] += w * c_star
         sums["conf"] += w * -(c_star * math.log(c) + (1 - c_star) * math.log(1 - c))
         sums["w"] += w
-    for key in ("ce", "tv", "alpha", "conf"):
+    for key in ("ce", "tv", "kl", "alpha", "conf"):
         assert abs(out.metrics[key] - sums[key] / sums["w"]) < 1e-4, key
-    expected = 0.1 * sums["ce"] / sums["w"] + 0.9 * sums["tv"] / sums["w"] + sums["conf"] / sums["w"]
+    expected = (0.1 * sums["ce"] + 0.9 * sums["tv"] + 0.3 * sums["kl"] + sums["conf"]) / sums["w"]
     assert abs(out.loss.item() - expected) < 1e-4
     assert out.tokens == int(tf.valid.sum()) and {"acc@1", "acc@2", "acc@3"} <= set(out.metrics)
 
@@ -413,15 +414,17 @@ def test_draft_vocabulary_loss_equals_full_vocabulary_loss(target, cached_lse):
         tf = teacher_forced_blocks(model, batch, target, cfg, torch.Generator().manual_seed(7))
     outside = torch.ones(V, dtype=torch.bool)
     outside[ids] = False
-    sums = {"ce": 0.0, "ce_w": 0.0, "tv": 0.0, "w": 0.0}
+    sums = {"ce": 0.0, "ce_w": 0.0, "tv": 0.0, "kl": 0.0, "w": 0.0}
     for w, logits, p_t, gold, _ in replay_positions(model, target, batch, tf, cfg):
         p_d = torch.softmax(logits.masked_fill(outside, float("-inf")), -1)  # zero outside V'
         sums["tv"] += w * float((p_d - p_t).abs().sum())  # p_t over the full vocabulary
+        sums["kl"] += w * -float((p_t[~outside] * p_d[~outside].log()).sum())  # soft CE over V' only
         sums["w"] += w
         if not outside[gold]:
             sums["ce"] += w * -math.log(p_d[gold].item())
             sums["ce_w"] += w
     assert abs(out.metrics["tv"] - sums["tv"] / sums["w"]) < 1e-4
+    assert abs(out.metrics["kl"] - sums["kl"] / sums["w"]) < 1e-4
     assert abs(out.metrics["ce"] - sums["ce"] / sums["ce_w"]) < 1e-4
 
 

@@ -96,6 +96,7 @@ class VocabLoss:
     """Per-position pieces of the draft-vocabulary losses (N supervised positions)."""
 
     l1: torch.Tensor | None  # [N] ||q - p_t||_1 over the full vocabulary (q is zero outside V'); None if not asked
+    kl: torch.Tensor | None  # [N] soft CE -Σ_{v∈V'} p_t(v) log q(v) (KL(p_t||q) up to a constant in q); with l1
     ce: torch.Tensor  # [M] -log q(gold) at the M positions whose gold token lies in V'
     ce_rows: torch.Tensor  # [N] bool: which positions those are
     pred: torch.Tensor  # [N] target id of argmax q
@@ -114,15 +115,18 @@ def vocab_losses(
 
     ||q - p_t||_1 = Σ_{v∈V'} |q_v - p_t,v| + Σ_{v∉V'} p_t,v, and the second term is one bucket,
     1 - Σ_{v∈V'} p_t,v: the loss stays the true L1 distance (2·TV) while only V' logits are formed.
+    The soft CE -Σ_{v∈V'} p_t,v log q_v is KL(p_t || q) up to a constant in q over V' (q has no mass outside
+    V', so the full KL is infinite wherever p_t has; EAGLE-3's draft-vocabulary loss is the same term).
     """
     logq = torch.log_softmax(logits.float(), dim=-1)  # [N, V']
-    l1 = None  # h_t None: cross-entropy only (DFlash)
+    l1 = kl = None  # h_t None: cross-entropy only (DFlash)
     if h_t is not None:
         with torch.no_grad():
             p_in = torch.exp(F.linear(h_t.to(rows.dtype), rows).float() - lse_t[:, None])  # [N, V']
             rest = (1.0 - p_in.sum(-1)).clamp_min(0.0)  # [N] target mass outside V'
         l1 = (logq.exp() - p_in).abs().sum(-1) + rest
+        kl = -(p_in * logq).sum(-1)
     g = t2d[gold]  # [N] draft index of the gold token, -1 outside V'
     ce_rows = g >= 0
     ce = -logq[ce_rows].gather(1, g[ce_rows, None]).squeeze(1)
-    return VocabLoss(l1=l1, ce=ce, ce_rows=ce_rows, pred=ids[logits.argmax(-1)])
+    return VocabLoss(l1=l1, kl=kl, ce=ce, ce_rows=ce_rows, pred=ids[logits.argmax(-1)])

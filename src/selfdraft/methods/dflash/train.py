@@ -81,9 +81,11 @@ def draft_losses(
         return vocab_losses(logits, rows, ids, t2d, h_t, lse, label)
     logits = lm_logits(target, h) + (0 if bias is None else bias)  # [N, V]
     logp = torch.log_softmax(logits, dim=-1)
-    l1 = l1_distance(logp.exp(), target_probs(target, tf.target_rows(batch.last_hidden))) if with_l1 else None
+    p_t = target_probs(target, tf.target_rows(batch.last_hidden)) if with_l1 else None  # [N, V]
+    l1 = l1_distance(logp.exp(), p_t) if with_l1 else None
+    kl = -(p_t * logp).sum(-1) if with_l1 else None
     ce = -logp.gather(1, label[:, None]).squeeze(1)
-    return VocabLoss(l1=l1, ce=ce, ce_rows=torch.ones_like(gold, dtype=torch.bool), pred=logits.argmax(-1))
+    return VocabLoss(l1=l1, kl=kl, ce=ce, ce_rows=torch.ones_like(gold, dtype=torch.bool), pred=logits.argmax(-1))
 
 
 def teacher_forced_blocks(

@@ -16,6 +16,9 @@ class DSparkConfig(DFlashConfig):
     confidence_head: bool = knob(True, "train the confidence head c_k (the scheduler reads it)")
     w_ce: float = knob(0.1, "cross-entropy loss weight")
     w_tv: float = knob(0.9, "total-variation loss weight")
+    # Soft CE against p_t (forward KL up to a constant), as EAGLE-3 and speculators train: unlike TV its
+    # gradient does not vanish on tokens q still gives little mass (∂|q_v - p_v|/∂z_v carries q_v).
+    w_kl: float = knob(0.0, "soft cross-entropy (KL(p_t || q)) loss weight")
     w_conf: float = knob(1.0, "confidence (BCE) loss weight")
 
     def __post_init__(self) -> None:

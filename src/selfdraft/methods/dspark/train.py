@@ -1,5 +1,5 @@
 """DSpark training: the DFlash many-anchor pass, the heads teacher forced on ground-truth previous
-tokens, and L = w_ce L_ce + w_tv L_tv + w_conf L_conf (docs/methods/dspark.md#training-loss)."""
+tokens, and L = w_ce L_ce + w_tv L_tv + w_kl L_kl + w_conf L_conf (docs/methods/dspark.md#training-loss)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from selfdraft.training.strategy import Batch, LossOutput
 
 
 class DSparkStrategy(DFlashStrategy):
-    """L = w_ce L_ce + w_tv L_tv + w_conf L_conf, each position weighted (docs/methods/dspark.md#training-loss)."""
+    """L = w_ce L_ce + w_tv L_tv + w_kl L_kl + w_conf L_conf, each position weighted (docs/methods/dspark.md#training-loss)."""
 
     method = "dspark"
 
@@ -34,8 +34,9 @@ class DSparkStrategy(DFlashStrategy):
         l_ce = weighted_mean(d.ce, k_idx[d.ce_rows], w)
         l_tv = weighted_mean(d.l1, k_idx, w)  # ||p_d,k - p_t,k||_1
         label = confidence_labels(d.l1)  # [N] c*_k, detached
-        loss = cfg.w_ce * l_ce + cfg.w_tv * l_tv
-        metrics = {"ce": l_ce.item(), "tv": l_tv.item(), "alpha": float(weighted_mean(label, k_idx, w))}
+        l_kl = weighted_mean(d.kl, k_idx, w)  # soft CE against p_t
+        loss = cfg.w_ce * l_ce + cfg.w_tv * l_tv + cfg.w_kl * l_kl
+        metrics = {"ce": l_ce.item(), "tv": l_tv.item(), "kl": l_kl.item(), "alpha": float(weighted_mean(label, k_idx, w))}
         if heads.z is not None:
             bce = F.binary_cross_entropy_with_logits(heads.z[sel].float(), label, reduction="none")
             l_conf = weighted_mean(bce, k_idx, w)
