@@ -51,10 +51,11 @@ echo "campaign: segment $DATA ($EPOCH tokens a epoch, budget $BUDGET) from $CKPT
 # start at lr 1e-4 (a fresh optimizer and a new cosine over the segment's budget; 3e-4 knocked segment 5's
 # val loss from 2.124 to 2.139 by step 250 and it ended at 2.128, 1e-4 ended at 2.123: BENCHMARKS.md). LAYERS=2 grows the drafter
 # by a layer that starts as the identity (training/checkpointing.py warm_start); OUT=DIR names that run.
+# W_KL=w adds the soft cross-entropy against p_t (docs/methods/dspark.md#training-loss; segment 12 A/B in BENCHMARKS.md).
 # bf16 autocast on a bf16 target: measured 211 vs 151 seq tok/s (fp32), 1 thread, AMD EPYC Zen 5 (avx512_bf16).
 # On a CPU without bf16 units pass BF16="--no-bf16 --dtype float32".
 exec .venv/bin/selfdraft train --method dspark --data "$DATA" --init-from "$CKPT" --seed 0 \
   --feature-layers 1,8,14,20,27 --gamma 7 --loss-vocab-size 16384 --mask-token-id 16 --qk-norm --layers "${LAYERS:-1}" \
-  --random-init --anchors-per-seq 64 --ce-label "${CE_LABEL:-argmax}" --batch-size 2 --lr "${LR:-1e-4}" \
+  --random-init --anchors-per-seq 64 --ce-label "${CE_LABEL:-argmax}" --w-kl "${W_KL:-0}" --batch-size 2 --lr "${LR:-1e-4}" \
   --max-seq-len "${MAXLEN:-512}" --warmup-steps 20 --steps 1000000 --token-budget "$BUDGET" --val-every 250 --val-batches 10 --save-every 100 \
   ${BF16:---bf16 --dtype bfloat16} --threads "${THREADS:-1}" --out "$OUT"

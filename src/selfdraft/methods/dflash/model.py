@@ -70,8 +70,10 @@ class DFlashModel(nn.Module):
         self.register_buffer("draft_ids", torch.zeros(n, dtype=torch.long) if n else None)
         self.layers = nn.ModuleList(InjectedDecoderLayer(shape) for _ in range(cfg.num_layers))
         self.slot_context = nn.Linear(H, H, bias=False) if cfg.context_residual else None  # W_s
-        if self.slot_context is not None:
-            nn.init.zeros_(self.slot_context.weight)
+        self.next_token = nn.Linear(H, H, bias=False) if cfg.context_next_token else None  # W_e
+        for lin in (self.slot_context, self.next_token):
+            if lin is not None:
+                nn.init.zeros_(lin.weight)
         self.norm = RMSNorm(H, shape.eps)
         self.rotary = Rotary(shape.head_dim, shape.rope_theta)
 
@@ -104,9 +106,11 @@ class DFlashModel(nn.Module):
         self.fc.weight[:, -H:] = torch.eye(H)
         self.context_norm.weight.copy_(src[0].input_layernorm.weight)
 
-    def context(self, features: torch.Tensor) -> torch.Tensor:
-        """features: [B, T, n_feat, H] target layer outputs -> C: [B, T, H]."""
-        return self.context_norm(self.fc(features.to(self.dtype).flatten(2)))
+    def context(self, features: torch.Tensor, next_emb: torch.Tensor | None = None) -> torch.Tensor:
+        """features: [B, T, n_feat, H] target layer outputs, next_emb: [B, T, H] Emb(x_{s+1}) (context_next_token)
+        -> C: [B, T, H]."""
+        c = self.context_norm(self.fc(features.to(self.dtype).flatten(2)))
+        return c if self.next_token is None else c + self.next_token(next_emb.to(self.dtype))
 
     def context_kv(self, c: torch.Tensor, positions: torch.Tensor) -> list[KV]:
         """C: [B, T, H] at positions [B, T] -> per layer K/V [B, n_kv, T, d] (block independent)."""

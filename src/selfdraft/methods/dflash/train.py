@@ -107,7 +107,10 @@ def teacher_forced_blocks(
     src = (idx - 1).clamp(max=T - 1)
     prev = ids.gather(1, src.flatten(1)).view(idx.shape)
     # 3. Context once per sequence (positions 0..T-1), then all blocks under the block mask.
-    c = model.context(batch.features)  # [B, T, H]
+    nxt = None
+    if model.next_token is not None:  # Emb(x_{s+1}) at every context position (the last one is never read)
+        nxt = target.embed(torch.cat([ids[:, 1:], ids[:, -1:]], 1))  # [B, T, H]
+    c = model.context(batch.features, nxt)  # [B, T, H]
     ctx = model.context_kv(c, torch.arange(T, device=ids.device).expand(B, T))
     anchor_emb = target.embed(ids.gather(1, anchors.pos))  # [B, A, H]
     mask = block_attention_mask(anchors.pos, T, model.block_len)  # [B, A·L, T + A·L]
