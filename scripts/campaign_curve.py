@@ -6,6 +6,8 @@
     python scripts/campaign_curve.py SEG3 --prior docs/bench/campaign/curve.json --out docs/bench/campaign
                                          (new segments after the points of a committed curve: its logs may be gone)
     python scripts/campaign_curve.py --families work/families --out docs/bench/families
+    python scripts/campaign_curve.py --families work/ablation --prior docs/bench/families-800k/curve.json --window 20000 --out D
+                                         (runs on the same tokens beside the committed families' curves, cut at the longest run)
 
 --families: one run per method in DIR/METHOD, trained on the same tokens in the same order. Within one
 epoch every training batch is new to the model when its step logs its accuracies, so windows of train
@@ -51,10 +53,26 @@ def train_windows(run: Path, window: int) -> list[dict]:
     return out
 
 
-def families(root: Path, out: Path, window: int) -> None:
+def rewindow(points: list[dict], window: int, upto: int) -> list[dict]:
+    """A committed curve's windows merged into windows of >= `window` tokens, up to `upto` tokens."""
+    out, cur, start = [], [], 0
+    for p in (p for p in points if p["tokens"] <= upto):
+        cur.append(p)
+        if p["tokens"] - start >= window:
+            out.append({"tokens": p["tokens"], "acc": [sum(c["acc"][k] for c in cur) / len(cur) for k in range(len(p["acc"]))]})
+            cur, start = [], p["tokens"]
+    return out
+
+
+def families(root: Path, out: Path, window: int, prior: Path | None = None) -> None:
     runs = sorted(d for d in root.iterdir() if (d / "train_log.jsonl").exists())
     curves = {d.name: train_windows(d, window) for d in runs}
     finals = {d.name: (val_points(d) or [None])[-1] for d in runs}
+    if prior:  # the committed runs on the same tokens, cut where the longest new run stops
+        upto = max(c[-1]["tokens"] for c in curves.values())
+        for name, points in json.loads(prior.read_text())["windows"].items():
+            curves[f"{name} ({prior.parent.name})"] = rewindow(points, window, upto)
+            finals[f"{name} ({prior.parent.name})"] = None
     k = max(len(c[-1]["acc"]) for c in curves.values())
     head = " | ".join(f"acc@{i}" for i in range(1, k + 1))
     rows = [f"| family | tokens | last window: {head} | val: acc@1 | val acc@k mean |", "|---|---:|" + "---:|" * (k + 2)]
@@ -82,7 +100,7 @@ def families(root: Path, out: Path, window: int) -> None:
     a2.set_ylabel("acc@k, last window")
     a1.legend(fontsize=8)
     a2.legend(fontsize=8)
-    fig.suptitle(f"four families, same tokens in the same order ({root.name})")
+    fig.suptitle(f"{', '.join(curves)}: same tokens in the same order ({root.name})", fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "curve.png", dpi=110)
     print("\n".join(rows))
@@ -94,11 +112,12 @@ def main() -> None:
     ap.add_argument("--families", type=Path, help="DIR/METHOD runs on the same data: one curve per family")
     ap.add_argument("--window", type=int, default=10_000, help="--families: tokens per point")
     ap.add_argument("--baseline", type=Path, help="a 1-step, lr ~0 run from the warm-start checkpoint: its val = tokens 0")
-    ap.add_argument("--prior", type=Path, help="a curve.json this script wrote: its points come first, the runs continue it")
+    ap.add_argument("--prior", type=Path, help="a curve.json this script wrote: its points come first, the runs continue it "
+                    "(with --families: its families' windows are drawn beside the runs)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     if args.families:
-        return families(args.families, args.out, args.window)
+        return families(args.families, args.out, args.window, args.prior)
     if not args.runs:
         ap.error("give a run directory, or --families DIR")
     points = json.loads(args.prior.read_text()) if args.prior else []

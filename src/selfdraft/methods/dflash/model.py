@@ -9,8 +9,6 @@ Layouts (cfg.anchor_as_first):
   False (DFlash): slots [x_t, m, .., m] (γ + 1); slot k predicts x_{t+k}, k = 1..γ.
   True  (DSpark): slots [x_t, m, .., m] (γ);     slot k - 1 predicts x_{t+k}.
 Slot j sits at absolute position t + j; context keys keep their own positions 0..t-1.
-With cfg.context_residual every slot's input also gets W_s C_{t-1} (W_s zero at init): the last context
-position enters the residual stream directly, as h_{t-1} does in EAGLE-3 and MTP.
 """
 
 from __future__ import annotations
@@ -69,11 +67,6 @@ class DFlashModel(nn.Module):
         n = cfg.loss_vocab_size
         self.register_buffer("draft_ids", torch.zeros(n, dtype=torch.long) if n else None)
         self.layers = nn.ModuleList(InjectedDecoderLayer(shape) for _ in range(cfg.num_layers))
-        self.slot_context = nn.Linear(H, H, bias=False) if cfg.context_residual else None  # W_s
-        self.next_token = nn.Linear(H, H, bias=False) if cfg.context_next_token else None  # W_e
-        for lin in (self.slot_context, self.next_token):
-            if lin is not None:
-                nn.init.zeros_(lin.weight)
         self.norm = RMSNorm(H, shape.eps)
         self.rotary = Rotary(shape.head_dim, shape.rope_theta)
 
@@ -106,33 +99,27 @@ class DFlashModel(nn.Module):
         self.fc.weight[:, -H:] = torch.eye(H)
         self.context_norm.weight.copy_(src[0].input_layernorm.weight)
 
-    def context(self, features: torch.Tensor, next_emb: torch.Tensor | None = None) -> torch.Tensor:
-        """features: [B, T, n_feat, H] target layer outputs, next_emb: [B, T, H] Emb(x_{s+1}) (context_next_token)
-        -> C: [B, T, H]."""
-        c = self.context_norm(self.fc(features.to(self.dtype).flatten(2)))
-        return c if self.next_token is None else c + self.next_token(next_emb.to(self.dtype))
+    def context(self, features: torch.Tensor) -> torch.Tensor:
+        """features: [B, T, n_feat, H] target layer outputs -> C: [B, T, H]."""
+        return self.context_norm(self.fc(features.to(self.dtype).flatten(2)))
 
     def context_kv(self, c: torch.Tensor, positions: torch.Tensor) -> list[KV]:
         """C: [B, T, H] at positions [B, T] -> per layer K/V [B, n_kv, T, d] (block independent)."""
         return [layer.context_kv(c, positions, self.rotary) for layer in self.layers]
 
     def backbone(
-        self, ctx: list[KV], anchor_emb: torch.Tensor, anchor_pos: torch.Tensor, mask: torch.Tensor,
-        last_c: torch.Tensor | None = None,
+        self, ctx: list[KV], anchor_emb: torch.Tensor, anchor_pos: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
         """A blocks per sequence in one pass.
 
         ctx: per-layer context K/V; anchor_emb: [B, A, H] target embedding of x_t; anchor_pos:
-        [B, A] t; mask: [B, A·L, Tc + A·L] (masks.block_attention_mask); last_c: [B, A, H] C_{t-1}
-        (context_residual only; zero for t = 0) -> h: [B, A, γ, H] final-normed hidden states at the
-        draft slots (U_k = lm_head(h_k)).
+        [B, A] t; mask: [B, A·L, Tc + A·L] (masks.block_attention_mask) -> h: [B, A, γ, H]
+        final-normed hidden states at the draft slots (U_k = lm_head(h_k)).
         """
         B, A, H = anchor_emb.shape
         L = self.block_len
         x = self.mask_embedding.expand(B, A, L, H).clone()  # [B, A, L, H]
         x[:, :, 0] = anchor_emb.to(self.dtype)
-        if self.slot_context is not None:
-            x = x + self.slot_context(last_c.to(self.dtype))[:, :, None]  # every slot: + W_s C_{t-1}
         x = x.flatten(1, 2)  # [B, A·L, H]
         pos = block_positions(anchor_pos, L)  # [B, A·L]
         for layer, kv in zip(self.layers, ctx):

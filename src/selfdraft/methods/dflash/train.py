@@ -107,18 +107,11 @@ def teacher_forced_blocks(
     src = (idx - 1).clamp(max=T - 1)
     prev = ids.gather(1, src.flatten(1)).view(idx.shape)
     # 3. Context once per sequence (positions 0..T-1), then all blocks under the block mask.
-    nxt = None
-    if model.next_token is not None:  # Emb(x_{s+1}) at every context position (the last one is never read)
-        nxt = target.embed(torch.cat([ids[:, 1:], ids[:, -1:]], 1))  # [B, T, H]
-    c = model.context(batch.features, nxt)  # [B, T, H]
+    c = model.context(batch.features)  # [B, T, H]
     ctx = model.context_kv(c, torch.arange(T, device=ids.device).expand(B, T))
     anchor_emb = target.embed(ids.gather(1, anchors.pos))  # [B, A, H]
     mask = block_attention_mask(anchors.pos, T, model.block_len)  # [B, A·L, T + A·L]
-    last_c = None
-    if model.slot_context is not None:  # C_{t-1} of every anchor (zero at t = 0: no context)
-        last_c = c.gather(1, (anchors.pos - 1).clamp(min=0)[..., None].expand(-1, -1, c.shape[-1]))  # [B, A, H]
-        last_c = last_c * (anchors.pos > 0)[..., None]
-    h = model.backbone(ctx, anchor_emb, anchors.pos, mask, last_c)  # [B, A, γ, H]
+    h = model.backbone(ctx, anchor_emb, anchors.pos, mask)  # [B, A, γ, H]
     return TeacherForced(h=h, gold=gather(ids), prev=prev, src=src, valid=valid)
 
 
