@@ -90,18 +90,18 @@ def families(root: Path, out: Path, window: int, prior: Path | None = None) -> N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, c in curves.items():
-        a1.plot([p["tokens"] / 1e3 for p in c], [p["acc"][0] for p in c], "-", label=name)
-        a2.plot(range(1, len(c[-1]["acc"]) + 1), c[-1]["acc"], "o-", label=name)
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.5))
+    colors = plt.get_cmap("tab20" if len(curves) > 10 else "tab10").colors  # tab10 repeats after 10 runs
+    for i, (name, c) in enumerate(curves.items()):
+        a1.plot([p["tokens"] / 1e3 for p in c], [p["acc"][0] for p in c], "-", color=colors[i % len(colors)], label=name)
+        a2.plot(range(1, len(c[-1]["acc"]) + 1), c[-1]["acc"], "o-", color=colors[i % len(colors)])
     a1.set_xlabel("fresh sequence tokens (k)")
     a1.set_ylabel(f"acc@1 (held-out: windows of {window:,} tokens)")
     a2.set_xlabel("draft position k")
     a2.set_ylabel("acc@k, last window")
-    a1.legend(fontsize=8)
-    a2.legend(fontsize=8)
-    fig.suptitle(f"{', '.join(curves)}: same tokens in the same order ({root.name})", fontsize=8)
-    fig.tight_layout()
+    fig.legend(loc="center right", fontsize=8)  # one legend beside both panels: inside, it hides the curves
+    fig.suptitle(f"{len(curves)} runs on the same tokens in the same order ({root.name})", fontsize=9)
+    fig.tight_layout(rect=(0, 0, 0.76, 1))
     fig.savefig(out / "curve.png", dpi=110)
     print("\n".join(rows))
 
