@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The DSpark training campaign on fresh data (docs/training.md#the-campaign), one segment at a time.
+# The training campaign on fresh data (docs/training.md#the-campaign), one segment at a time, per family.
 #   SRC=DIR nohup scripts/campaign.sh > work/campaign.log 2>&1 &   (SRC: the regen-v1 directory, first time only)
-# A segment = every record of the sources that the committed weights' ledger (checkpoints/dspark/
-# ledger.json) does not hold (scripts/campaign_data.py segment), trained from those weights. Rerun the
+#   CKPT=checkpoints/mtp scripts/campaign.sh                       (another family: the method is the checkpoint's)
+# A segment = every record of the sources that the committed weights' ledger ($CKPT/ledger.json, CKPT defaults
+# to checkpoints/dspark) does not hold (scripts/campaign_data.py segment), trained from those weights. Rerun the
 # same command after a stop or kill -9: the segment's run resumes exactly (work/ came back) or starts
 # again from the committed weights (a new machine). When a segment is done, ship it and extend the ledger:
-#   python scripts/campaign_data.py ledger --run $OUT --ledger checkpoints/dspark/ledger.json --out L
-#   python scripts/ship_drafter.py $OUT checkpoints/dspark && mv L checkpoints/dspark/ledger.json   (adds the segment to the lineage)
+#   python scripts/campaign_data.py ledger --run $OUT --ledger $CKPT/ledger.json --out L
+#   python scripts/ship_drafter.py $OUT $CKPT && mv L $CKPT/ledger.json   (adds the segment to the lineage)
 # Sources: regen-v1; every other work/data/regen-v* (more prompts answered the same way, only those the ledger lacks:
 #   selfdraft data regenerate sharegpt --out work/data/regen-v3 --limit 15000 --exclude checkpoints/dspark/ledger.json \
 #     --batch-size 32 --threads 1 --dtype bfloat16 --seed 3     (rerun it to finish before a segment is built);
@@ -24,6 +25,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 CKPT=${CKPT:-checkpoints/dspark}
+[ -f "$CKPT/ledger.json" ] || { echo "error: no $CKPT/ledger.json: write it first with python scripts/campaign_data.py ledger --run $CKPT --data work/data/regen-v1 --out $CKPT/ledger.json" >&2; exit 2; }
+METHOD=$($PY -c "import json; print(json.load(open('$CKPT/config.json'))['method'])")
 mkdir -p work/data work/campaign
 if [ ! -d work/data/regen-v1 ]; then  # a writable copy: the draft vocabulary is written beside the conversations
   if [ -z "${SRC:-}" ]; then
@@ -41,21 +44,30 @@ fi
 # One name per (ledger, sources): the same machine resumes the same segment; a new ledger starts a new one.
 MAXLEN=${MAXLEN:-}
 SEG=${SEG:-seg-$(cat "$CKPT/ledger.json" <(echo "$FROM$MAXLEN") | sha256sum | cut -c1-8)}
-DATA=work/data/$SEG OUT=${OUT:-work/campaign/$SEG}
+DATA=work/data/$SEG OUT=${OUT:-work/campaign/$METHOD-$SEG}
 [ -d "$DATA" ] || $PY scripts/campaign_data.py segment $FROM --ledger "$CKPT/ledger.json" --max-seq-len "${MAXLEN:-512}" --out "$DATA"
 EPOCH=$($PY -c "import json; print(json.load(open('$DATA/manifest.json'))['tokens']['epoch'])")
 BUDGET=${BUDGET:-$EPOCH}
 [ "$BUDGET" -le "$EPOCH" ] || { echo "error: BUDGET $BUDGET > one epoch of $DATA ($EPOCH): tokens would repeat" >&2; exit 2; }
 echo "campaign: segment $DATA ($EPOCH tokens a epoch, budget $BUDGET) from $CKPT -> $OUT" >&2
-# Recipe (docs/training.md#the-campaign): CE on the target's greedy token, 64 anchors per sequence, a warm
-# start at lr 1e-4 (a fresh optimizer and a new cosine over the segment's budget; 3e-4 knocked segment 5's
-# val loss from 2.124 to 2.139 by step 250 and it ended at 2.128, 1e-4 ended at 2.123: BENCHMARKS.md). LAYERS=2 grows the drafter
-# by a layer that starts as the identity (training/checkpointing.py warm_start); OUT=DIR names that run.
-# W_KL=w adds the soft cross-entropy against p_t (docs/methods/dspark.md#training-loss; segment 12 A/B in BENCHMARKS.md).
+# Recipe (docs/training.md#the-campaign): a warm start at lr 1e-4 (a fresh optimizer and a new cosine over the
+# segment's budget; 3e-4 knocked segment 5's val loss from 2.124 to 2.139 by step 250 and it ended at 2.128, 1e-4
+# ended at 2.123: BENCHMARKS.md). The method is the committed weights' (CKPT=checkpoints/mtp or checkpoints/eagle3
+# runs that family's campaign; a checkpoint without a ledger gets one first: python scripts/campaign_data.py ledger
+# --run $CKPT --data work/data/regen-v1 --out $CKPT/ledger.json). DSpark/DFlash: CE on the target's greedy token,
+# 64 anchors; LAYERS=2 grows the drafter by a layer that starts as the identity (training/checkpointing.py
+# warm_start); W_KL=w adds the soft cross-entropy against p_t (docs/methods/dspark.md#training-loss). OUT=DIR names a run.
 # bf16 autocast on a bf16 target: measured 211 vs 151 seq tok/s (fp32), 1 thread, AMD EPYC Zen 5 (avx512_bf16).
-# On a CPU without bf16 units pass BF16="--no-bf16 --dtype float32".
-exec .venv/bin/selfdraft train --method dspark --data "$DATA" --init-from "$CKPT" --seed 0 \
-  --feature-layers 1,8,14,20,27 --gamma 7 --loss-vocab-size 16384 --mask-token-id 16 --qk-norm --layers "${LAYERS:-1}" \
-  --random-init --anchors-per-seq 64 --ce-label "${CE_LABEL:-argmax}" --w-kl "${W_KL:-0}" --batch-size 2 --lr "${LR:-1e-4}" \
-  --max-seq-len "${MAXLEN:-512}" --warmup-steps 20 --steps 1000000 --token-budget "$BUDGET" --val-every 250 --val-batches 10 --save-every 100 \
+# On a CPU without bf16 units pass BF16="--no-bf16 --dtype float32" (Zen 2: a bf16 matmul costs 40x an fp32 one).
+case $METHOD in
+  dspark|dflash) ARGS=(--feature-layers 1,8,14,20,27 --loss-vocab-size 16384 --mask-token-id 16 --qk-norm
+                       --layers "${LAYERS:-1}" --random-init --anchors-per-seq 64 --ce-label "${CE_LABEL:-argmax}")
+                 [ "$METHOD" = dspark ] && ARGS+=(--w-kl "${W_KL:-0}") ;;
+  eagle3) ARGS=(--draft-vocab-size 16384) ;;
+  mtp)    ARGS=(--qk-norm) ;;
+  *) echo "error: $CKPT holds a $METHOD drafter; the campaign trains dspark | dflash | eagle3 | mtp" >&2; exit 2 ;;
+esac
+exec .venv/bin/selfdraft train --method "$METHOD" --data "$DATA" --init-from "$CKPT" --seed 0 --gamma 7 "${ARGS[@]}" \
+  --batch-size 2 --lr "${LR:-1e-4}" --max-seq-len "${MAXLEN:-512}" --warmup-steps 20 --steps 1000000 \
+  --token-budget "$BUDGET" --val-every 250 --val-batches 10 --save-every "${SAVE_EVERY:-100}" \
   ${BF16:---bf16 --dtype bfloat16} --threads "${THREADS:-1}" --out "$OUT"
