@@ -46,22 +46,28 @@ def ship(src: Path, dst: Path) -> None:
 def carry_lineage(prov: dict, dst: Path) -> None:
     """A campaign segment warm-started from the weights it replaces keeps their lineage (`campaign`, one
     entry per segment, and `campaign_ledger`) and adds itself to it, so the shipped weights always say
-    every segment they came from."""
+    every segment they came from. Weights without a lineage (a family's first segment) become segment 0."""
     old = dst / "config.json"
     train = prov.get("train", {})
     if not old.exists() or Path(str(train.get("init_from", ""))).resolve() != dst.resolve():
         return
     before = json.loads(old.read_text()).get("provenance", {})
-    if "campaign" not in before:
-        return
-    lineage = before["campaign"]
+    lineage = before.get("campaign") or [segment_zero(before)]
     prev = lineage[-1]
     lineage.append({"segment": prev["segment"] + 1, "started_from": f"segment {prev['segment']} (step {prev['steps']})",
                     "data": train.get("data"), "steps": prov.get("steps"), "tokens": prov.get("tokens"),
                     "recipe": f"lr {train.get('lr')}, {train.get('warmup_steps')} warmup steps, cosine over the "
                               f"segment, max_seq_len {train.get('max_seq_len')}"})
     prov["campaign"] = lineage
-    prov["campaign_ledger"] = before.get("campaign_ledger")
+    prov["campaign_ledger"] = before.get("campaign_ledger") or "ledger.json: every training record the campaign drew (scripts/campaign_data.py)"
+
+
+def segment_zero(before: dict) -> dict:
+    """The run that made the weights a campaign starts from, as the lineage's first entry."""
+    t = before.get("train", {})
+    return {"segment": 0, "started_from": t.get("init_from") or "random init", "data": t.get("data"),
+            "steps": before.get("steps"), "tokens": before.get("tokens"),
+            "recipe": f"lr {t.get('lr')}, {t.get('warmup_steps')} warmup steps, cosine to {t.get('token_budget')} tokens"}
 
 
 def thin_log(text: str, every: int = 10) -> str:

@@ -363,3 +363,14 @@ def test_shipping_a_segment_keeps_the_campaign_lineage(tmp_path):
     fresh = {"steps": 5, "tokens": 50, "train": {"init_from": None}}
     ship.carry_lineage(fresh, dst)
     assert "campaign" not in fresh
+    # a family's first segment: the weights it starts from had no lineage, so their own run becomes segment 0
+    mtp = tmp_path / "mtp"
+    mtp.mkdir()
+    (mtp / "config.json").write_text(json.dumps({"provenance": {"steps": 1432, "tokens": 800119, "train": {
+        "init_from": "", "data": "work/data/regen-v1", "lr": 1e-3, "warmup_steps": 50, "token_budget": 800000}}}))
+    first = {"steps": 7, "tokens": 70, "train": {"init_from": str(mtp), "data": "seg1", "lr": 1e-4}}
+    ship.carry_lineage(first, mtp)
+    assert [(e["segment"], e["tokens"]) for e in first["campaign"]] == [(0, 800119), (1, 70)]
+    assert first["campaign"][0]["started_from"] == "random init"
+    assert first["campaign"][1]["started_from"] == "segment 0 (step 1432)"
+    assert first["campaign_ledger"].startswith("ledger.json")
