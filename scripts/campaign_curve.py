@@ -158,7 +158,9 @@ def main() -> None:
         for a in (a1, a2):
             a.axvline(x / 1e6, color="grey", lw=0.6, ls=":")
     a2.set_ylabel("val loss (per segment: its CE label may differ)")
-    fig.suptitle(f"the DSpark campaign on fresh data, {first + len(args.runs)} segment(s) (0 = the warm-start checkpoint)")
+    names = {"dspark": "DSpark", "dflash": "DFlash", "eagle3": "EAGLE-3", "mtp": "MTP"}
+    method = names.get(json.loads((args.runs[-1] / "config.json").read_text())["method"], "?") if args.runs else "DSpark"
+    fig.suptitle(f"the {method} campaign on fresh data, {first + len(args.runs)} segment(s) (0 = the warm-start checkpoint)")
     fig.tight_layout()
     fig.savefig(args.out / "curve.png", dpi=110)
     print("\n".join(rows))
