@@ -59,13 +59,11 @@ echo "campaign: segment $DATA ($EPOCH tokens a epoch, budget $BUDGET) from $CKPT
 # warm_start); W_KL=w adds the soft cross-entropy against p_t (docs/methods/dspark.md#training-loss). OUT=DIR names a run.
 # bf16 autocast on a bf16 target: measured 211 vs 151 seq tok/s (fp32), 1 thread, AMD EPYC Zen 5 (avx512_bf16).
 # On a CPU without bf16 units pass BF16="--no-bf16 --dtype float32" (Zen 2: a bf16 matmul costs 40x an fp32 one).
-case $METHOD in
-  dspark|dflash) ARGS=(--feature-layers 1,8,14,20,27 --loss-vocab-size 16384 --mask-token-id 16 --qk-norm
-                       --layers "${LAYERS:-1}" --random-init --anchors-per-seq 64 --ce-label "${CE_LABEL:-argmax}")
-                 [ "$METHOD" = dspark ] && ARGS+=(--w-kl "${W_KL:-0}") ;;
-  eagle3) ARGS=(--draft-vocab-size 16384) ;;
-  mtp)    ARGS=(--qk-norm) ;;
-  *) echo "error: $CKPT holds a $METHOD drafter; the campaign trains dspark | dflash | eagle3 | mtp" >&2; exit 2 ;;
+source scripts/method_flags.sh
+method_flags "$METHOD"
+case $METHOD in  # the campaign's labels: CE on the target's greedy token; DSpark's optional soft CE
+  dspark) ARGS+=(--ce-label "${CE_LABEL:-argmax}" --w-kl "${W_KL:-0}") ;;
+  dflash) ARGS+=(--ce-label "${CE_LABEL:-argmax}") ;;
 esac
 exec .venv/bin/selfdraft train --method "$METHOD" --data "$DATA" --init-from "$CKPT" --seed 0 --gamma 7 "${ARGS[@]}" \
   --batch-size 2 --lr "${LR:-1e-4}" --max-seq-len "${MAXLEN:-512}" --warmup-steps 20 --steps 1000000 \

@@ -14,15 +14,9 @@ BUDGET=${BUDGET:-150000}
 COMMON=(--data "$DATA" --gamma 7 --seed 0 --batch-size 2 --lr 1e-3 --warmup-steps 50 --steps 1000000
         --token-budget "$BUDGET" --val-every "${VAL_EVERY:-0}" --val-batches 10 --save-every 50 ${BF16:---bf16 --dtype bfloat16}
         --threads "${THREADS:-1}")
-BLOCK=(--feature-layers 1,8,14,20,27 --qk-norm --layers 1 --random-init --anchors-per-seq 64
-       --loss-vocab-size 16384 --mask-token-id 16)
+source scripts/method_flags.sh
 for METHOD in ${METHODS:-dspark dflash eagle3 mtp}; do
-  case $METHOD in
-    dspark|dflash) ARGS=("${BLOCK[@]}") ;;
-    eagle3) ARGS=(--draft-vocab-size 16384) ;;
-    mtp)    ARGS=(--qk-norm) ;;
-    *) echo "error: unknown method $METHOD (dspark | dflash | eagle3 | mtp)" >&2; exit 2 ;;
-  esac
+  method_flags "$METHOD"
   echo "== $METHOD $(date -u +%FT%TZ)"
   .venv/bin/selfdraft train --method "$METHOD" "${COMMON[@]}" "${ARGS[@]}" --out "$OUT/$METHOD"
 done
