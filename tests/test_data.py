@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from selfdraft.config import SamplingParams
-from selfdraft.target import Target, cache_root
+from selfdraft.target import Target
 from selfdraft.training.draft_vocab import build_draft_vocab
 from selfdraft.training.records import DataError, ShardWriter, iter_records, load_records, tokenize_conversation
 from selfdraft.training.regenerate import RegenConfig, regenerate, sample_batch
@@ -23,17 +23,16 @@ from selfdraft.training.features import (
     estimate_bytes,
     write_feature_cache,
 )
-from tests.conftest import tiny_llama
+from tests.conftest import needs_embedded, tiny_llama
 
-EMBEDDED_DIR = cache_root() / "targets" / "smollm2-135m-instruct"
-needs_tokenizer = pytest.mark.skipif(not EMBEDDED_DIR.exists(), reason="embedded target not converted yet")
+needs_tokenizer = needs_embedded  # the embedded target's tokenizer and chat template
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
+def tokenizer(embedded_dir):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(EMBEDDED_DIR)
+    return AutoTokenizer.from_pretrained(embedded_dir)
 
 
 @pytest.fixture
