@@ -325,7 +325,7 @@ def test_seed_reproducible_at_temperature_one(srv):
 
 def test_metrics_parse(srv):
     srv.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0)
-    text = httpx.get(f"{srv.url}/metrics").text
+    text = httpx.get(f"{srv.url}/metrics", headers={"authorization": f"Bearer {KEY}"}).text
     samples = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
@@ -660,6 +660,7 @@ def test_a_cancelled_request_frees_its_slot_at_once(target):
         runner.cancel(a)  # a second cancel gives nothing back twice
         assert runner.in_flight == 2
         runner._take_inbox(block=False)  # the engine thread's next look at its inbox: a never joined the batch
+        runner._admit_waiting()
         counted = {tuple(x.labels.values()): x.value for f in text_string_to_metric_families(runner.metrics.render().decode())
                    for x in f.samples if x.name == "selfdraft_requests_total"}
         assert counted == {(spec.endpoint, "cancelled"): 1.0}  # counted once, though it never ran

@@ -24,6 +24,8 @@ class ServerMetrics:
                                 "(stop, length, cancelled, error)", ["endpoint", "finish_reason"], registry=r)
         self.rejected = Counter("selfdraft_rejected_requests", "Requests refused before running, by HTTP status",
                                 ["status"], registry=r)
+        self.header_timeouts = Counter("selfdraft_header_timeouts", "Connections closed because a request's "
+                                       "headers did not arrive within the header timeout", registry=r)
         self.prompt_tokens = Counter("selfdraft_prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.output_tokens = Counter("selfdraft_output_tokens", "Tokens committed by the target", registry=r)
         self.rounds = Counter("selfdraft_spec_rounds", "Speculative rounds (one per request per step)", registry=r)

@@ -209,7 +209,9 @@ def build_spec(req: _Request, prompt_ids: list[int], target: Target, gamma: int,
         penalties[name] = value
     bias = []
     for key, value in (req.logit_bias or {}).items():
-        if not (key.isascii() and key.isdigit()) or int(key) >= target.vocab_size:
+        # Length first: int() refuses strings over 4,300 digits (ValueError), and no id is that long.
+        if (not (key.isascii() and key.isdigit()) or len(key.lstrip("0")) > len(str(target.vocab_size))
+                or int(key) >= target.vocab_size):
             raise _bad(f"logit_bias keys must be token ids in [0, {target.vocab_size}), got {key!r}", "logit_bias")
         if not (math.isfinite(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
             raise _bad(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value}",

@@ -20,6 +20,9 @@ class SuffixConfig:
     max_spec_offset: float = 2.0
     min_token_prob: float = 0.05  # stop once the draft's cumulative probability falls below this
     max_cached_requests: int = 64  # responses in the global tree (FIFO); 0 = no global tree (<= ~6k nodes, 1.8 MB each)
+    # ...and at most this many MiB of tree (est. NODE_BYTES a node): a response can be 24 nodes a token,
+    # so 64 responses near an 8k context would take ~4 GB
+    max_cached_mb: int = 256
     tree: bool = False  # draft a tree (best-first by cumulative probability) instead of a chain
 
     def __post_init__(self) -> None:
@@ -34,5 +37,7 @@ class SuffixConfig:
             problems.append(f"min_token_prob must be in [0, 1], got {self.min_token_prob}")
         if not 0 <= self.max_cached_requests <= 1_000_000:
             problems.append(f"max_cached_requests must be in [0, 1000000], got {self.max_cached_requests}")
+        if not 1 <= self.max_cached_mb <= 1 << 20:
+            problems.append(f"max_cached_mb must be in [1, {1 << 20}], got {self.max_cached_mb}")
         if problems:
             raise ConfigError("suffix: " + "; ".join(problems))

@@ -25,7 +25,8 @@ from selfdraft.tree import path_products
 
 @dataclass
 class GlobalSuffixCache:
-    """Earlier responses of this process (the engine's and the server's requests share one), FIFO-bounded."""
+    """Earlier responses of this process (the engine's and the server's requests share one), FIFO-bounded
+    by count and by size (the oldest go first; a response alone over the size bound is not kept)."""
 
     config: SuffixConfig
     tree: SuffixTree = field(init=False)
@@ -42,7 +43,8 @@ class GlobalSuffixCache:
             return
         self.tree.insert(response)
         self.responses.append(list(response))
-        while len(self.responses) > self.config.max_cached_requests:
+        limit = self.config.max_cached_mb << 20
+        while self.responses and (len(self.responses) > self.config.max_cached_requests or self.tree.bytes > limit):
             self.tree.remove(self.responses.popleft())
 
 
