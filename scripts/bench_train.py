@@ -5,7 +5,7 @@ steps; configurations are interleaved and repeated, and the median sequence toke
 is reported (the first steps of each run are warm-up and not timed). The rows between "before"
 and "after" add one change at a time, so the table also shows where the time went.
 
-    python scripts/bench_train.py --data data/reference --features work/feats-ref --out docs/bench/train-speed
+    python scripts/bench_train.py --data data/reference --features runs/feats-ref --out docs/bench/training/throughput
 """
 
 from __future__ import annotations

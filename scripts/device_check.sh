@@ -108,7 +108,7 @@ say "       $(grep -E '^[0-9]+ (passed|failed)|passed|failed' "$LOGS/cuda-suite.
 
 # ------------------------------------------------------------------ the target (embedded SmolLM2 unless TARGET)
 TARGET_ARGS=()
-if [ -z "${TARGET:-}" ] && ls .dev/target.gguf.part-* > /dev/null 2>&1; then  # carried in parts (docs/cuda.md#on-a-lent-machine)
+if [ -z "${TARGET:-}" ] && ls .dev/target.gguf.part-* > /dev/null 2>&1; then  # carried in parts (docs/cuda.md#without-a-network)
   cat .dev/target.gguf.part-* > "$WORK/target.gguf" && TARGET=$WORK/target.gguf
 fi
 if [ -n "${TARGET:-}" ]; then

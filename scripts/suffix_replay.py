@@ -5,8 +5,8 @@ so with the plain greedy output of each prompt recorded once, any n-gram / suffi
 (fixed γ, every draft verified) is recomputed exactly in seconds. Prompts are replayed in order, so a
 suffix drafter's global tree warms across them as in `selfdraft bench`.
 
-    python scripts/suffix_replay.py record --datasets mt-bench,humaneval,gsm8k,alpaca,cnn-dm --num-prompts 10 --out work/replay/outputs.json
-    python scripts/suffix_replay.py replay work/replay/outputs.json --suffix max_spec_factor=2,min_token_prob=0.05
+    python scripts/suffix_replay.py record --datasets mt-bench,humaneval,gsm8k,alpaca,cnn-dm --num-prompts 10 --out runs/replay/outputs.json
+    python scripts/suffix_replay.py replay runs/replay/outputs.json --suffix max_spec_factor=2,min_token_prob=0.05
 """
 
 from __future__ import annotations

@@ -278,6 +278,6 @@ def test_the_readme_first_try_runs_as_written(tmp_path, monkeypatch):
             extra += ["--no-bf16"]
         res = invoke(*args, *extra)
         assert res.exit_code == 0, f"{' '.join(args)}:\n{res.output}"
-    assert (tmp_path / "work/first-ckpt/model.safetensors").exists()
-    assert (tmp_path / "work/first-ckpt/calibration.json").exists()
+    assert (tmp_path / "runs/first-ckpt/model.safetensors").exists()
+    assert (tmp_path / "runs/first-ckpt/calibration.json").exists()
     assert list((tmp_path / "runs/first").glob("*.md")), "bench wrote no report"

@@ -105,7 +105,7 @@ def test_lr_schedule():
 
 @pytest.mark.parametrize("change", [dict(token_budget=4000), dict(token_budget=1500), dict(steps=40)])
 def test_resuming_with_another_budget_continues_the_schedule(toy_method, tiny_target, data, tmp_path, change):
-    """Issue 27: a resume with a larger (or smaller) token budget or step count used to jump the cosine
+    """A resume with a larger (or smaller) token budget or step count used to jump the cosine
     (DSpark 5.66e-4 -> 2.49e-4 at step 3201); the lr must go on from where it was, then decay over what is left."""
     dcfg, tcfg = cfgs(data, steps=20, token_budget=2000, save_every=5, val_every=0, warmup_steps=2)
     seen = []
@@ -296,7 +296,7 @@ def test_train_options_are_the_config_fields(monkeypatch, tmp_path):
 
 
 def test_campaign_ledger_replays_exactly_what_the_run_drew(toy_method, tiny_target, data, tmp_path, monkeypatch):
-    """scripts/campaign_data.py: the records a run drew, replayed from its provenance (seed, steps, batch,
+    """scripts/campaign/campaign_data.py: the records a run drew, replayed from its provenance (seed, steps, batch,
     accumulation), are the ones the trainer batched; the next segment holds every other train record but
     those that open with a val prompt (a second turn gives a val prompt a new id)."""
     import importlib.util
@@ -304,7 +304,7 @@ def test_campaign_ledger_replays_exactly_what_the_run_drew(toy_method, tiny_targ
 
     import selfdraft.training.trainer as trainer
 
-    spec = importlib.util.spec_from_file_location("campaign_data", "scripts/campaign_data.py")
+    spec = importlib.util.spec_from_file_location("campaign_data", "scripts/campaign/campaign_data.py")
     cd = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cd)
     seen: list[list[int]] = []
@@ -344,11 +344,11 @@ def test_the_final_validation_reaches_the_log_on_disk(toy_method, tiny_target, d
 
 
 def test_shipping_a_segment_keeps_the_campaign_lineage(tmp_path):
-    """scripts/ship_drafter.py: a run warm-started from the weights it replaces adds itself to their lineage;
+    """scripts/campaign/ship_drafter.py: a run warm-started from the weights it replaces adds itself to their lineage;
     any other run (a fresh drafter, another source) ships without one."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("ship_drafter", "scripts/ship_drafter.py")
+    spec = importlib.util.spec_from_file_location("ship_drafter", "scripts/campaign/ship_drafter.py")
     ship = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ship)
     dst = tmp_path / "dspark"

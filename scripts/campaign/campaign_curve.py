@@ -1,12 +1,12 @@
 """The campaign's curve: val acc@1..γ and loss against the fresh tokens seen (PNG + Markdown table).
 
-    python scripts/campaign_curve.py RUN --baseline work/baseline-val --out docs/bench/campaign
-    python scripts/campaign_curve.py SEG1 SEG2 ... --out docs/bench/campaign   (segments in order, each warm-started
+    python scripts/campaign/campaign_curve.py RUN --baseline work/baseline-val --out docs/bench/campaign/dspark-curve
+    python scripts/campaign/campaign_curve.py SEG1 SEG2 ... --out docs/bench/campaign/dspark-curve   (segments in order, each warm-started
                                                                              from the one before: tokens add up)
-    python scripts/campaign_curve.py SEG3 --prior docs/bench/campaign/curve.json --out docs/bench/campaign
+    python scripts/campaign/campaign_curve.py SEG3 --prior docs/bench/campaign/dspark-curve/curve.json --out docs/bench/campaign/dspark-curve
                                          (new segments after the points of a committed curve: its logs may be gone)
-    python scripts/campaign_curve.py --families work/families --out docs/bench/families
-    python scripts/campaign_curve.py --families work/ablation --prior docs/bench/families-800k/curve.json --window 20000 --out D
+    python scripts/campaign/campaign_curve.py --families work/families --out docs/bench/equal-budget/curve-150k
+    python scripts/campaign/campaign_curve.py --families work/ablation --prior docs/bench/equal-budget/curve-800k/curve.json --window 20000 --out D
                                          (runs on the same tokens beside the committed families' curves, cut at the longest run)
 
 --families: one run per method in DIR/METHOD, trained on the same tokens in the same order. Within one

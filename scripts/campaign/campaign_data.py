@@ -13,9 +13,9 @@ segments), so any machine can build the next segment from the same sources witho
            seeded order (training/checkpointing.py DataCursor), so seed, steps, batch size, gradient
            accumulation and world size in the run's provenance say exactly which records it drew.
 
-    python scripts/campaign_data.py segment --from work/data/regen-v1 --from work/data/original:2200 \\
+    python scripts/campaign/campaign_data.py segment --from work/data/regen-v1 --from work/data/original:2200 \\
         --ledger checkpoints/dspark/ledger.json --out work/data/seg-x
-    python scripts/campaign_data.py ledger --run work/campaign/seg-x --ledger checkpoints/dspark/ledger.json \\
+    python scripts/campaign/campaign_data.py ledger --run work/campaign/seg-x --ledger checkpoints/dspark/ledger.json \\
         --out work/ledger.json
 """
 

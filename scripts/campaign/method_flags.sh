@@ -1,4 +1,4 @@
-# The per-method training flags that scripts/families.sh and scripts/campaign.sh share (sourced, not run):
+# The per-method training flags that scripts/campaign/families.sh and scripts/campaign/campaign.sh share (sourced, not run):
 # DSpark/DFlash the block recipe, EAGLE-3 a 16,384-token draft vocabulary, MTP one recursive module.
 # method_flags METHOD sets the array ARGS; LAYERS (default 1) sizes a block drafter.
 method_flags() {

@@ -2,7 +2,7 @@
 trainer state, the training log thinned (all val lines, every 10th train line), provenance noting
 where it came from.
 
-    python scripts/ship_drafter.py work/main/dspark checkpoints/dspark
+    python scripts/campaign/ship_drafter.py work/campaign/dspark-seg-x checkpoints/dspark
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def carry_lineage(prov: dict, dst: Path) -> None:
                     "recipe": f"lr {train.get('lr')}, {train.get('warmup_steps')} warmup steps, cosine over the "
                               f"segment, max_seq_len {train.get('max_seq_len')}"})
     prov["campaign"] = lineage
-    prov["campaign_ledger"] = before.get("campaign_ledger") or "ledger.json: every training record the campaign drew (scripts/campaign_data.py)"
+    prov["campaign_ledger"] = before.get("campaign_ledger") or "ledger.json: every training record the campaign drew (scripts/campaign/campaign_data.py)"
 
 
 def segment_zero(before: dict) -> dict:
