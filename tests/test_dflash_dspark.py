@@ -4,19 +4,20 @@ loss parts against direct computations, lossless greedy decoding, and a tiny ove
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 from tests.conftest import tiny_llama
 
 from selfdraft import methods
-from selfdraft.config import GenerationConfig, SamplingParams
+from selfdraft.config import ConfigError, GenerationConfig, SamplingParams
 from selfdraft.decode import generate
 from selfdraft.drafters.blocks import block_attention_mask, block_positions
 from selfdraft.methods.dflash.train import teacher_forced_blocks
 from selfdraft.methods.none.drafter import NoDrafter
 from selfdraft.target import Target, TargetStep, lm_logits
-from selfdraft.training.masks import sample_anchors
+from selfdraft.training.masks import first_slot_queries, sample_anchors
 from selfdraft.training.objectives import confidence_labels, l1_distance, position_weights
 from selfdraft.training.strategy import STRATEGIES, Batch
 
@@ -41,6 +42,9 @@ def make(method: str, target: Target, seed: int = 1, markov_scale: float = 0.5, 
     markov = getattr(model, "markov", None)
     if markov is not None:
         torch.nn.init.normal_(markov.W2.weight, std=markov_scale)
+    for lin in (model.slot_context, model.next_token):  # W_s, W_e start at zero: made non-zero so they matter
+        if lin is not None:
+            torch.nn.init.normal_(lin.weight, std=0.3)
     return model, cfg
 
 
@@ -61,9 +65,11 @@ def make_batch(target: Target, B: int = 2, T: int = 24, seed: int = 0, regenerat
 
 
 # --------------------------------------------------------------------------- masks
-def slow_mask(anchor_pos: torch.Tensor, T: int, L: int) -> torch.Tensor:
+def slow_mask(anchor_pos: torch.Tensor, T: int, L: int, first_alone: bool = False,
+              singles: torch.Tensor | None = None) -> torch.Tensor:
     B, A = anchor_pos.shape
-    m = torch.zeros(B, A * L, T + A * L, dtype=torch.bool)
+    D = 0 if singles is None else singles.shape[1]
+    m = torch.zeros(B, A * L + D, T + A * L + D, dtype=torch.bool)
     for b in range(B):
         for a in range(A):
             for j in range(L):
@@ -72,7 +78,11 @@ def slow_mask(anchor_pos: torch.Tensor, T: int, L: int) -> torch.Tensor:
                     m[b, q, s] = s < int(anchor_pos[b, a])
                 for a2 in range(A):
                     for j2 in range(L):
-                        m[b, q, T + a2 * L + j2] = a2 == a
+                        m[b, q, T + a2 * L + j2] = a2 == a and (not first_alone or j > 0 or j2 == 0)
+        for d in range(D):
+            for s in range(T):
+                m[b, A * L + d, s] = s < int(singles[b, d])
+            m[b, A * L + d, T + A * L + d] = True
     return m
 
 
@@ -111,6 +121,14 @@ def test_block_mask_matches_slow_loop(anchor_as_first):
         assert picked == sorted(set(picked)) and len(picked) <= 5
         assert all(loss_mask[b, t + 1] and attn[b, t + 1] for t in picked)
     assert torch.equal(block_attention_mask(anchors.pos, T, L), slow_mask(anchors.pos, T, L))
+    singles = first_slot_queries(loss_mask, attn, anchors)
+    for b in range(3):  # every candidate is either a block's anchor or a one-slot query, never both
+        cand = {t for t in range(T - 1) if loss_mask[b, t + 1] and attn[b, t + 1]}
+        picked = set(anchors.pos[b][anchors.valid[b]].tolist())
+        assert set(singles.pos[b][singles.valid[b]].tolist()) == cand - picked
+    for first_alone in (False, True):
+        assert torch.equal(block_attention_mask(anchors.pos, T, L, first_alone, singles.pos),
+                           slow_mask(anchors.pos, T, L, first_alone, singles.pos))
     pos = block_positions(anchors.pos, L)
     assert [int(pos[0, a * L + j]) for a in range(2) for j in range(L)] == [
         int(anchors.pos[0, a]) + j for a in range(2) for j in range(L)
@@ -135,9 +153,12 @@ def test_teacher_forced_markov_equals_serial(target, head, rank):
 
 
 # --------------------------------------------------------------------------- training == inference
-@pytest.mark.parametrize("method,anchor_as_first", [("dflash", False), ("dspark", True)])
-def test_training_blocks_equal_inference(target, method, anchor_as_first):
-    model, cfg = make(method, target, gamma=4, anchor_as_first=anchor_as_first, anchors_per_seq=64)
+@pytest.mark.parametrize("method,anchor_as_first,residual,next_token",
+                         [("dflash", False, False, False), ("dspark", True, False, False), ("dflash", False, True, False),
+                          ("dspark", True, True, False), ("dspark", True, False, True), ("dspark", True, True, True)])
+def test_training_blocks_equal_inference(target, method, anchor_as_first, residual, next_token):
+    model, cfg = make(method, target, gamma=4, anchor_as_first=anchor_as_first, anchors_per_seq=64,
+                      context_residual=residual, context_next_token=next_token)
     batch = make_batch(target, B=1)
     with torch.no_grad():
         tf = teacher_forced_blocks(model, batch, target, cfg, torch.Generator().manual_seed(0))
@@ -153,6 +174,46 @@ def test_training_blocks_equal_inference(target, method, anchor_as_first):
             drafter.observe(None, _step(feats[:, drafter.ctx_len : min(drafter.ctx_len + 2, t)]))
         U_inf = lm_logits(target, drafter.draft_states(ids[: t + 1], cfg.gamma))
         torch.testing.assert_close(U_inf, U_train[a], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("layers,residual", [(1, False), (2, True)])
+def test_dense_first_slot_queries_equal_the_blocks_first_slot_at_inference(target, layers, residual):
+    """dense_first: every block and every one-slot query of the training pass equals what the drafter
+    computes at that anchor (its first slot attends to no mask slot); control: with the bidirectional
+    block mask at inference the first slot no longer matches the one-slot queries."""
+    model, cfg = make("dspark", target, gamma=4, anchors_per_seq=3, num_layers=layers, dense_first=True,
+                      context_residual=residual, context_next_token=residual)
+    batch = make_batch(target, B=1)
+    with torch.no_grad():
+        tf = teacher_forced_blocks(model, batch, target, cfg, torch.Generator().manual_seed(0))
+        U_train = lm_logits(target, tf.h[0])  # [A + D, γ, V]
+    rows = tf.valid[0, :, 0].nonzero().flatten().tolist()
+    assert int(tf.in_block[0, :, 0].sum()) == 3 and len(rows) >= 12  # 3 blocks, the rest one-slot queries
+    assert not tf.valid[0, ~tf.in_block[0, :, 0], 1:].any()  # a one-slot query trains x_{t+1} alone
+    ids, feats = batch.input_ids[0].tolist(), batch.features
+    drafter = STRATEGIES["dspark"].drafter(model, cfg, target)
+
+    def draft_U(t: int) -> torch.Tensor:  # [γ, V] at anchor t, the context fed as inference feeds it
+        drafter.begin(ids[:3], _step(feats[:, : min(3, t)]))
+        while drafter.ctx_len < t:
+            drafter.observe(None, _step(feats[:, drafter.ctx_len : min(drafter.ctx_len + 2, t)]))
+        return lm_logits(target, drafter.draft_states(ids[: t + 1], cfg.gamma))
+
+    for r in rows:
+        t = int(tf.src[0, r, 0])
+        U = draft_U(t)
+        if tf.in_block[0, r, 0]:
+            torch.testing.assert_close(U, U_train[r], rtol=1e-4, atol=1e-4)
+        else:
+            torch.testing.assert_close(U[0], U_train[r, 0], rtol=1e-4, atol=1e-4)
+    model.first_alone = False  # the control: DSpark's bidirectional block at inference
+    t = int(tf.src[0, rows[-1], 0])
+    assert not torch.allclose(draft_U(t)[0], U_train[rows[-1], 0], rtol=1e-3, atol=1e-3)
+
+
+def test_dense_first_needs_the_anchor_as_first_layout():
+    with pytest.raises(ConfigError, match="dense_first"):
+        methods.get("dflash").config(dense_first=True, anchor_as_first=False)
 
 
 def _step(features):
@@ -174,7 +235,7 @@ def test_tv_and_confidence_labels_direct():
 
 def replay_positions(model, target, batch, tf, cfg):
     """Slow reference: replay every block serially with ground-truth previous tokens; yields per valid
-    position (w_k, draft logits over V, p_t over V, gold token, c_k or None)."""
+    position (w_k, draft logits over V, p_t over V, gold token, c_k or None, in a sampled block?)."""
     B, A, G = tf.valid.shape
     with torch.no_grad():
         for b in range(B):
@@ -186,32 +247,60 @@ def replay_positions(model, target, batch, tf, cfg):
                     if tf.valid[b, a, k]:
                         p_t = torch.softmax(target.lm_head(batch.last_hidden[b, t + k]), -1)
                         c = None if blk.confidences is None else blk.confidences[k].item()
-                        yield math.exp(-k / cfg.loss_decay), blk.logits[k], p_t, x[k + 1], c
+                        yield math.exp(-k / cfg.loss_decay), blk.logits[k], p_t, x[k + 1], c, bool(tf.in_block[b, a, k])
 
 
-@pytest.mark.parametrize("head", ["vanilla", "rnn"])
-def test_dspark_loss_parts_match_direct_loop(target, head):
-    model, cfg = make("dspark", target, gamma=3, markov_head=head, markov_rank=8, anchors_per_seq=4, w_kl=0.3)
+@pytest.mark.parametrize("head,dense", [("vanilla", False), ("rnn", False), ("rnn", True)])
+def test_dspark_loss_parts_match_direct_loop(target, head, dense):
+    """Each loss part against a serial replay of every position (dense_first: the one-slot queries are
+    rows with k = 1 alone, in the loss, not in the block metrics)."""
+    model, cfg = make("dspark", target, gamma=3, markov_head=head, markov_rank=8, anchors_per_seq=4, w_kl=0.3,
+                      dense_first=dense)
     batch = make_batch(target)
     out = STRATEGIES["dspark"].loss(model, batch, target, cfg, torch.Generator().manual_seed(7))
     with torch.no_grad():
         tf = teacher_forced_blocks(model, batch, target, cfg, torch.Generator().manual_seed(7))
-    sums = {"ce": 0.0, "tv": 0.0, "kl": 0.0, "alpha": 0.0, "conf": 0.0, "w": 0.0}
-    for w, logits, p_t, gold, c in replay_positions(model, target, batch, tf, cfg):
+    sums = {"ce": 0.0, "tv": 0.0, "kl": 0.0, "alpha": 0.0, "conf": 0.0, "w": 0.0, "w_blk": 0.0}
+    singles = 0
+    for w, logits, p_t, gold, c, in_block in replay_positions(model, target, batch, tf, cfg):
         p_d = torch.softmax(logits, -1)
         tv = sum(abs(a - b) for a, b in zip(p_d.tolist(), p_t.tolist()))
         c_star = 1 - tv / 2
         sums["ce"] += w * -math.log(p_d[gold].item())
         sums["kl"] += w * -sum(a * math.log(b) for a, b in zip(p_t.tolist(), p_d.tolist()))
         sums["tv"] += w * tv
-        sums["alpha"] += w * c_star
+        sums["alpha"] += w * c_star * in_block
+        sums["w_blk"] += w * in_block
         sums["conf"] += w * -(c_star * math.log(c) + (1 - c_star) * math.log(1 - c))
         sums["w"] += w
-    for key in ("ce", "tv", "kl", "alpha", "conf"):
+        singles += not in_block
+    assert (singles > 10) == dense
+    for key in ("ce", "tv", "kl", "conf"):
         assert abs(out.metrics[key] - sums[key] / sums["w"]) < 1e-4, key
+    assert abs(out.metrics["alpha"] - sums["alpha"] / sums["w_blk"]) < 1e-4
     expected = (0.1 * sums["ce"] + 0.9 * sums["tv"] + 0.3 * sums["kl"] + sums["conf"]) / sums["w"]
     assert abs(out.loss.item() - expected) < 1e-4
     assert out.tokens == int(tf.valid.sum()) and {"acc@1", "acc@2", "acc@3"} <= set(out.metrics)
+
+
+def test_kl_to_tv_schedule_moves_tvs_weight_from_the_soft_ce(target):
+    """kl_to_tv_tokens N: after n tokens w_tv·r goes to TV and w_tv·(1 - r) to the soft CE, r = min(1, n/N);
+    validation (tokens_seen None) and runs without the schedule use the final mix."""
+    model, cfg = make("dspark", target, gamma=3, markov_rank=8, anchors_per_seq=4, w_kl=0.2, kl_to_tv_tokens=1000)
+    batch = make_batch(target)
+
+    def loss_at(seen, c=cfg):
+        batch.tokens_seen = seen
+        out = STRATEGIES["dspark"].loss(model, batch, target, c, torch.Generator().manual_seed(7))
+        return out.loss.item(), out.metrics
+
+    for seen, r in ((0, 0.0), (250, 0.25), (1000, 1.0), (5000, 1.0), (None, 1.0)):
+        loss, m = loss_at(seen)
+        expected = 0.1 * m["ce"] + r * 0.9 * m["tv"] + (0.2 + (1 - r) * 0.9) * m["kl"] + m["conf"]
+        assert abs(loss - expected) < 1e-4, (seen, loss, expected)
+    assert abs(loss_at(0, replace(cfg, kl_to_tv_tokens=0))[0] - loss_at(None)[0]) < 1e-6  # off = the final mix
+    with pytest.raises(ConfigError, match="kl_to_tv_tokens"):
+        methods.get("dspark").config(kl_to_tv_tokens=-1)
 
 
 # --------------------------------------------------------------------------- lossless decoding
@@ -222,6 +311,9 @@ DRAFTERS = [
     ("dspark", dict(markov_head="gated")),
     ("dspark", dict(markov_head="rnn")),
     ("dspark", dict(markov_rank=0, confidence_head=False)),
+    ("dspark", dict(markov_head="vanilla", context_residual=True)),
+    ("dspark", dict(markov_head="vanilla", context_residual=True, context_next_token=True)),
+    ("dspark", dict(markov_head="rnn", dense_first=True, num_layers=2, context_residual=True, context_next_token=True)),
 ]
 
 
@@ -281,13 +373,16 @@ def test_tiny_overfit_drives_loss_down_and_tau_up(target, method):
     assert res.token_ids == plain.token_ids  # still lossless when most drafts are accepted
 
 
-@pytest.mark.parametrize("method", ["dflash", "dspark"])
-def test_batched_drafting_equals_one_request_at_a_time(target, method):
+@pytest.mark.parametrize("method,residual", [("dflash", False), ("dspark", False), ("dspark", True), ("dspark", "both"),
+                                             ("dspark", "dense")])
+def test_batched_drafting_equals_one_request_at_a_time(target, method, residual):
     """propose_many (one padded backbone pass for R contexts of different lengths) gives each request
-    the tokens, q and c_k it gets alone, draws the same random numbers, and respects its own γ_r."""
+    the tokens, q and c_k it gets alone (with context_residual: its own C_{t-1}), draws the same random
+    numbers, and respects its own γ_r."""
     from selfdraft.drafters.base import propose_all
 
-    model, cfg = make(method, target, gamma=5, markov_rank=8)
+    model, cfg = make(method, target, gamma=5, markov_rank=8, context_residual=bool(residual),
+                      context_next_token=residual in ("both", "dense"), dense_first=residual == "dense")
     prompts = [[5, 17, 3, 42, 8, 8, 61], [1, 2], [9, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39], [4, 4, 4]]
     params = [SamplingParams(), SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=0.7, top_k=5),
               SamplingParams()]
@@ -409,7 +504,7 @@ def test_draft_vocabulary_loss_equals_full_vocabulary_loss(target, cached_lse):
     outside = torch.ones(V, dtype=torch.bool)
     outside[ids] = False
     sums = {"ce": 0.0, "ce_w": 0.0, "tv": 0.0, "kl": 0.0, "w": 0.0}
-    for w, logits, p_t, gold, _ in replay_positions(model, target, batch, tf, cfg):
+    for w, logits, p_t, gold, _, _ in replay_positions(model, target, batch, tf, cfg):
         p_d = torch.softmax(logits.masked_fill(outside, float("-inf")), -1)  # zero outside V'
         sums["tv"] += w * float((p_d - p_t).abs().sum())  # p_t over the full vocabulary
         sums["kl"] += w * -float((p_t[~outside] * p_d[~outside].log()).sum())  # soft CE over V' only
@@ -439,7 +534,7 @@ def test_argmax_label_trains_on_the_targets_greedy_token(target, vocab):
     inside = torch.zeros(V, dtype=torch.bool)
     inside[ids if vocab else torch.arange(V)] = True
     ce = w_sum = 0.0
-    for w, logits, p_t, _, _ in replay_positions(model, target, batch, tf, cfg):
+    for w, logits, p_t, _, _, _ in replay_positions(model, target, batch, tf, cfg):
         label = int(p_t.argmax())
         if inside[label]:
             ce += w * -math.log(torch.softmax(logits.masked_fill(~inside, float("-inf")), -1)[label].item())
@@ -588,6 +683,33 @@ def test_warm_start_grows_new_layers_as_the_identity(target, method, tmp_path):
     save_checkpoint(tmp_path / "two", big, cfg2, target, provenance("test", 0, 0))
     with pytest.raises(ConfigError, match="init-from"):
         warm_start(make(method, target, gamma=4, markov_rank=8, num_layers=1)[0], cfg1, target, str(tmp_path / "two"))
+
+
+def test_warm_start_adds_the_context_inputs_at_zero(target, tmp_path):
+    """--init-from a drafter trained without context_residual / context_next_token into one with them:
+    W_s and W_e start at zero, so the states equal the checkpoint's; either one non-zero (the controls) differs."""
+    from selfdraft.checkpoint import provenance, save_checkpoint
+    from selfdraft.training.checkpointing import warm_start
+
+    old, cfg1 = make("dspark", target, gamma=4, markov_rank=8)
+    save_checkpoint(tmp_path / "old", old, cfg1, target, provenance("test", 0, 0))
+    new, cfg2 = make("dspark", target, seed=2, gamma=4, markov_rank=8, context_residual=True, context_next_token=True)
+    warm_start(new, cfg2, target, str(tmp_path / "old"))
+    assert torch.count_nonzero(new.slot_context.weight) == 0 and torch.count_nonzero(new.next_token.weight) == 0
+
+    prompt = [5, 17, 3, 42, 8, 8, 61]
+    def states(model, cfg):
+        d = STRATEGIES["dspark"].drafter(model, cfg, target)
+        d.begin(prompt[:-1], target.forward(torch.tensor([prompt[:-1]]), None, FEATS))
+        return d.draft_states(prompt, 4)
+    h1 = states(old, cfg1)
+    assert torch.allclose(states(new, cfg2), h1, atol=1e-5)
+    for lin in (new.slot_context, new.next_token):
+        with torch.no_grad():
+            lin.weight.normal_(std=0.3)
+        assert not torch.allclose(states(new, cfg2), h1, atol=1e-3)
+        with torch.no_grad():
+            lin.weight.zero_()
 
 
 def test_warm_start_does_not_grow_mtp_modules(target, tmp_path):

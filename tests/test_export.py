@@ -181,6 +181,11 @@ REFUSED = {  # drafters vLLM would not run as trained -> the config values the m
     "dflash-learned-mask": (dict(method="dflash", gamma=4, anchor_as_first=False, qk_norm=True), {"mask_token_id": V - 1}),
     "mtp-deepseek": (dict(method="mtp", gamma=3, mtp_modules=2, qk_norm=True), {"mtp_modules": 1, "mtp_normed_handoff": True}),
     "mtp-no-qk": (dict(method="mtp", gamma=1), {"qk_norm": True}),
+    "dspark-context-residual": (dict(method="dspark", gamma=4, markov_rank=8, qk_norm=True, mask_token_id=V - 1,
+                                     context_residual=True, context_next_token=True),
+                                {"context_next_token": False, "context_residual": False}),
+    "dspark-dense-first": (dict(method="dspark", gamma=4, markov_rank=8, qk_norm=True, mask_token_id=V - 1, dense_first=True),
+                           {"dense_first": False}),
     "eagle3-two-layers": (dict(method="eagle3", gamma=3, feature_layers=(0, 2)), {"feature_layers": [0, 1, 2]}),
 }
 

@@ -184,9 +184,11 @@ def test_each_method_has_its_own_config_with_only_its_fields():
     shared = {"method", "gamma", "feature_layers", "qk_norm"}
     assert fields(DFlashConfig) - shared == {"num_layers", "anchor_as_first", "loss_decay", "anchors_per_seq",
                                              "init_from_target", "mask_token_id", "loss_vocab_size", "ce_label",
-                                             "tree", "tree_top_k", "tree_total_tokens"}
+                                             "tree", "tree_top_k", "tree_total_tokens", "context_residual",
+                                             "context_next_token", "dense_first"}
     assert fields(DSparkConfig) - fields(DFlashConfig) == {"markov_rank", "markov_head", "confidence_head",
-                                                           "w_ce", "w_tv", "w_kl", "w_conf"}  # DSpark extends DFlash
+                                                           "w_ce", "w_tv", "w_kl", "w_conf",
+                                                           "kl_to_tv_tokens"}  # DSpark extends DFlash
     assert fields(Eagle3Config) - shared == {"draft_vocab_size", "ttt_decay", "tree_depth", "tree_top_k", "tree_total_tokens"}
     assert fields(MTPConfig) - shared == {"mtp_modules", "mtp_recursive", "mtp_normed_handoff", "mtp_decay"}
     for cls in (DFlashConfig, DSparkConfig, Eagle3Config, MTPConfig):

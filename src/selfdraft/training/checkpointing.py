@@ -33,6 +33,9 @@ from selfdraft.training.optim import ScheduleOrigin, make_optimizer, schedule_pr
 from selfdraft.training.strategy import Strategy
 
 STATE_FILE, LOG_FILE = "trainer_state.pt", "train_log.jsonl"
+# Optional DFlash/DSpark inputs a warm start may add to a drafter trained without them (context_residual,
+# context_next_token): zero, so the drafter drafts what the checkpoint drafted until training moves them.
+NEW_AT_ZERO = ("slot_context.", "next_token.")
 # TrainConfig fields that define the optimisation trajectory: a resumed run must keep them.
 # (steps, token_budget, val/save cadence and the data path may change: e.g. to train longer.)
 TRAJECTORY_KEYS = (
@@ -139,6 +142,8 @@ def warm_start(model: torch.nn.Module, cfg: DrafterConfig, target: Target, src: 
     A DFlash or DSpark model with more decoder layers than `src` grows: the saved layers keep their
     places and each new one `layers.i` (i >= the saved count) starts as the identity of its pre-norm
     residual block (o_proj and down_proj zero), so the grown drafter drafts what `src` drafts at step 0.
+    Likewise a DFlash or DSpark run that adds `context_residual` or `context_next_token` to a drafter
+    trained without them: W_s / W_e start at zero.
     """
     saved = load_module(src, target, dtype=torch.float32)
     if saved.cfg.method != cfg.method:
@@ -149,6 +154,7 @@ def warm_start(model: torch.nn.Module, cfg: DrafterConfig, target: Target, src: 
     n_saved = getattr(saved.cfg, "num_layers", 0)
     grows = getattr(cfg, "num_layers", 0) > n_saved > 0
     grown = sorted(k for k in mine if grows and k.startswith("layers.") and int(k.split(".")[1]) >= n_saved)
+    grown += [k for k in mine if k.startswith(NEW_AT_ZERO) and k not in theirs]  # W_s / W_e, new: start at zero
     bad = sorted(k for k in mine if k.split(".")[-1] not in DATA_BUFFERS and k not in grown
                  and (k not in theirs or theirs[k].shape != mine[k].shape))
     if bad or set(theirs) - set(mine):
@@ -157,11 +163,14 @@ def warm_start(model: torch.nn.Module, cfg: DrafterConfig, target: Target, src: 
     model.load_state_dict(theirs, strict=False)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name in grown and name.rsplit(".", 2)[-2] in ("o_proj", "down_proj"):
-                p.zero_()  # the residual block adds nothing until training moves it
-    new = sorted({int(k.split(".")[1]) for k in grown})
+            if name in grown and (name.rsplit(".", 2)[-2] in ("o_proj", "down_proj") or name.startswith(NEW_AT_ZERO)):
+                p.zero_()  # the residual block (or W_s) adds nothing until training moves it
+    new = sorted({int(k.split(".")[1]) for k in grown if k.startswith("layers.")})
     print(f"warm start: drafter weights from {src} ({sum(v.numel() for v in theirs.values()) / 1e6:.1f}M values)"
-          + (f"; new layers {new} start as the identity" if new else ""), file=sys.stderr)
+          + (f"; new layers {new} start as the identity" if new else "")
+          + ("; " + ", ".join(sorted({k.split(".")[0] for k in grown if k.startswith(NEW_AT_ZERO)})) + " start at zero"
+             if any(k.startswith(NEW_AT_ZERO) for k in grown) else ""),
+          file=sys.stderr)
 
 
 def save(run: RunState, out_dir: Path, target: Target, cfg: DrafterConfig, train_cfg: TrainConfig, n_train: int,

@@ -40,6 +40,23 @@ def sample_anchors(
     return Anchors(pos.to(loss_mask.device), valid.to(loss_mask.device))
 
 
+def first_slot_queries(loss_mask: torch.Tensor, attention_mask: torch.Tensor, anchors: Anchors) -> Anchors:
+    """Every candidate anchor position (x_{t+1} a real assistant token) that `anchors` did not pick:
+    the one-slot first-position queries of dense_first. loss_mask, attention_mask: [B, T] bool ->
+    Anchors [B, D] (sorted, padded with valid = False)."""
+    B, T = loss_mask.shape
+    ok = torch.zeros_like(loss_mask)
+    ok[:, :-1] = loss_mask[:, 1:] & attention_mask[:, 1:]  # [B, T]: t is a candidate
+    b = torch.arange(B, device=ok.device)[:, None].expand_as(anchors.pos)
+    ok[b[anchors.valid], anchors.pos[anchors.valid]] = False  # already a block's first slot
+    n = ok.sum(1)  # [B]
+    D = max(1, int(n.max()))
+    # stable sort puts candidates first, in position order
+    pos = torch.sort((~ok).to(torch.int8), dim=1, stable=True).indices[:, :D]  # [B, D]
+    valid = torch.arange(D, device=ok.device)[None] < n[:, None]
+    return Anchors(torch.where(valid, pos, 0), valid)
+
+
 def ttt_attention_mask(slots: int, steps: int) -> torch.Tensor:
     """EAGLE-3 training-time test mask [γ·S, γ·S] bool (True = may attend), γ = steps, S = slots.
 

@@ -36,6 +36,9 @@ class Batch:
     last_hidden: torch.Tensor  # [B, T, H] final hidden state; p_t = target.lm_head(last_hidden)
     lse: torch.Tensor | None = None  # [B, T] float32 log-partition of p_t over the full vocabulary (cached), or None
     argmax: torch.Tensor | None = None  # [B, T] int64 argmax of p_t, computed on first use
+    # Training tokens seen before this batch (the trainer sets it; loss schedules such as DSpark's
+    # kl_to_tv_tokens read it). None = the schedule's end: validation and direct calls.
+    tokens_seen: int | None = None
 
     def target_lse(self, target: "Target") -> torch.Tensor:
         """[B, T] the cached log-partition of p_t, or computed now (one full LM-head pass, no grad)."""

@@ -228,6 +228,7 @@ def _train(target, drafter_cfg, train_cfg, out_dir, strategy, resume, on_step, d
             # Every rank advances the same global cursor and keeps its own slice of the global batch.
             idx = dist.shard(run.cursor.take(n_train, train_cfg.batch_size, train_cfg.seed))
             batch = make_batch([seqs[i] for i in idx], target, cfg.feature_layers)  # the frozen target runs here, no grad
+            batch.tokens_seen = run.tokens
             sync = dist.no_sync(wrapped) if micro + 1 < train_cfg.grad_accum else nullcontext()  # all-reduce once per step
             with sync:
                 with autocast:

@@ -14,6 +14,18 @@ class DFlashConfig(DrafterConfig):
     # True: DSpark's layout (γ inputs -> γ drafts); False: DFlash's (anchor + γ masks)
     anchor_as_first: bool = knob(True, "block layout: anchor's slot drafts (DSpark) or anchor + γ masks (DFlash)",
                                  "--anchor-as-first/--anchor-plus-masks")
+    # Every slot's input also carries W_s C_{t-1}, the fused context of the last committed position (as
+    # EAGLE-3 and MTP put h_{t-1} in their residual stream); without it a slot reaches C only through
+    # attention, and a mask slot's query has no content. W_s starts at zero: a warm start drafts as before.
+    context_residual: bool = knob(False, "add the fused context of the position before the anchor to every block slot's input")
+    # Context position s also carries W_e Emb(x_{s+1}), the token that followed it (EAGLE-3 and MTP pair
+    # each past state with its next token, so one attention layer can copy what followed a match).
+    context_next_token: bool = knob(False, "add the embedding of the token after each context position to its fused context")
+    # The first slot as an EAGLE-style query: it attends to the context and itself only (never to the
+    # mask slots, which add nothing it lacks), so a one-slot query at position t computes exactly what
+    # a block's first slot computes there, and training adds one at every position the sampled blocks
+    # miss (position 1 supervised densely, as chain drafters are) for the cost of one slot each.
+    dense_first: bool = knob(False, "first slot sees only the context and itself; train it at every position")
     loss_decay: float = knob(4.0, "position weight w_k = exp(-(k-1)/loss_decay)")
     anchors_per_seq: int = knob(32, "training blocks sampled per sequence (DeepSpec: 512 on long data)")
     init_from_target: bool = knob(False, "start the draft layers from the target's last layers",
@@ -46,5 +58,8 @@ class DFlashConfig(DrafterConfig):
         if self.tree_top_k < 1 or self.tree_total_tokens < 2:
             raise ConfigError(f"tree_top_k >= 1 and tree_total_tokens >= 2 are required "
                               f"(got {self.tree_top_k}, {self.tree_total_tokens})")
+        if self.dense_first and not self.anchor_as_first:
+            raise ConfigError("dense_first needs the anchor-as-first layout (--anchor-as-first): in the "
+                              "anchor + masks layout the anchor's slot drafts nothing")
         if self.loss_decay <= 0 or self.anchors_per_seq < 1:
             raise ConfigError("loss_decay > 0 and anchors_per_seq >= 1 are required")

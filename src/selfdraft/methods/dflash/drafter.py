@@ -38,7 +38,9 @@ class DFlashDrafter(TrainedDrafter):
     def __init__(self, model: DFlashModel, cfg: DFlashConfig, target: Target) -> None:
         super().__init__(model, cfg, target)
         self.ctx: list[KV] = []
-        self.ctx_len = 0
+        self.ctx_len = 0  # committed positions received (those in ctx, then the pending ones)
+        self.pending: torch.Tensor | None = None  # [n, n_feat, H] features not yet in ctx (context_next_token)
+        self.last_c: torch.Tensor | None = None  # [H] C of the last committed position (context_residual)
         self.gives_confidences = getattr(model, "confidence", None) is not None  # DSpark's head
         self.vocab: torch.Tensor | None = None  # [V'] draft vocabulary (target ids), None = all V
         self.head = lambda h: lm_logits(target, h)  # [..., H] -> U [..., V'] float32 (the target's LM head)
@@ -60,15 +62,29 @@ class DFlashDrafter(TrainedDrafter):
 
     @torch.inference_mode()
     def _append(self, features: torch.Tensor) -> None:
-        """features: [n, n_feat, H] of the next n committed positions -> extend the context K/V."""
-        n = features.shape[0]
-        pos = torch.arange(self.ctx_len, self.ctx_len + n, device=features.device)[None]  # [1, n]
-        new = self.model.context_kv(self.model.context(features[None]), pos)
+        """features: [n, n_feat, H] of the next n committed positions -> extend the context K/V (with
+        context_next_token: at the next draft, when the token after each of them is known)."""
+        self.pending = features if self.pending is None else torch.cat([self.pending, features])
+        self.ctx_len += features.shape[0]
+        if self.model.next_token is None:
+            self._flush(None)
+
+    @torch.inference_mode()
+    def _flush(self, tokens: list[int] | None) -> None:
+        """K/V of the pending positions s (tokens: the committed ids through the anchor, read as x_{s+1})."""
+        if self.pending is None or self.pending.shape[0] == 0:
+            return
+        n, dev = self.pending.shape[0], self.pending.device
+        s0 = self.ctx_len - n
+        pos = torch.arange(s0, self.ctx_len, device=dev)[None]  # [1, n]
+        nxt = None if tokens is None else self.target.embed(torch.tensor([tokens[s0 + 1 : self.ctx_len + 1]], device=dev))
+        c = self.model.context(self.pending[None], nxt)  # [1, n, H]
+        new = self.model.context_kv(c, pos)
         self.ctx = new if not self.ctx else [old.append(kv) for old, kv in zip(self.ctx, new)]
-        self.ctx_len += n
+        self.pending, self.last_c = None, c[0, -1]
 
     def begin(self, prompt_ids: list[int], step: TargetStep) -> None:
-        self.ctx, self.ctx_len = [], 0
+        self.ctx, self.ctx_len, self.pending, self.last_c = [], 0, None, None
         self._append(step.features[0])  # [P, n_feat, H]
 
     def observe(self, verification, step: TargetStep) -> None:
@@ -102,13 +118,14 @@ class DFlashDrafter(TrainedDrafter):
 
         Contexts differ in length t_r: their K/V are right-padded to the longest and the block mask
         hides key s ≥ t_r from block r. The full trained block always runs (attention inside it is
-        bidirectional).
+        bidirectional, except the first slot's with dense_first).
         """
         model, target = drafters[0].model, drafters[0].target
         dev = target.model.device
         t = [len(x) - 1 for x in tokens]  # anchor positions; context = positions 0..t_r-1
-        for d, t_r in zip(drafters, t):
+        for d, x, t_r in zip(drafters, tokens, t):
             assert d.ctx_len == t_r, f"drafter context holds {d.ctx_len} positions, anchor is at {t_r}"
+            d._flush(x)  # context_next_token: the positions whose next token the anchor completes
         T = max(t)
 
         def pad(x: torch.Tensor) -> torch.Tensor:  # [1, n_kv, t_r, d] -> [1, n_kv, T, d]
@@ -118,9 +135,10 @@ class DFlashDrafter(TrainedDrafter):
             KV(torch.cat([pad(d.ctx[i].k) for d in drafters]), torch.cat([pad(d.ctx[i].v) for d in drafters]))
             for i in range(len(model.layers))]  # per layer [R, n_kv, T, d]
         pos = torch.tensor(t, device=dev)[:, None]  # [R, 1]
-        mask = block_attention_mask(pos, T, model.block_len)  # [R, L, T + L]: context s < t_r
+        mask = block_attention_mask(pos, T, model.block_len, model.first_alone)  # [R, L, T + L]: context s < t_r
         anchor_emb = target.embed(torch.tensor([[x[-1]] for x in tokens], device=dev))  # [R, 1, H]
-        return model.backbone(ctx, anchor_emb, pos, mask)[:, 0]  # [R, γ, H]
+        last_c = None if model.slot_context is None else torch.stack([d.last_c for d in drafters])[:, None]  # [R, 1, H]
+        return model.backbone(ctx, anchor_emb, pos, mask, last_c)[:, 0]  # [R, γ, H]
 
     def propose(
         self, tokens: list[int], gamma: int, params: SamplingParams, generator: torch.Generator | None

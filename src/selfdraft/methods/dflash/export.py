@@ -51,6 +51,13 @@ def fixes(cfg: DFlashConfig, target: "Target") -> dict[str, tuple[object, str]]:
             "vLLM embeds the mask slots as the verifier's embed_tokens[mask_token_id], not a learned vector "
             "(any id works; one the target rarely generates is best)",
         )
+    if cfg.context_next_token:
+        out["context_next_token"] = (False, "vLLM's fused context is the target's hidden states alone")
+    if cfg.dense_first:
+        out["dense_first"] = (False, "vLLM's block attention is bidirectional: its first slot also attends to the mask slots")
+    if cfg.context_residual:
+        out["context_residual"] = (False, "vLLM's block slots hold only the anchor's embedding and the mask row "
+                                   "(the context reaches them through K/V injection alone)")
     return out
 
 

@@ -9,6 +9,10 @@ Layouts (cfg.anchor_as_first):
   False (DFlash): slots [x_t, m, .., m] (γ + 1); slot k predicts x_{t+k}, k = 1..γ.
   True  (DSpark): slots [x_t, m, .., m] (γ);     slot k - 1 predicts x_{t+k}.
 Slot j sits at absolute position t + j; context keys keep their own positions 0..t-1.
+With cfg.dense_first the first slot attends to the context and itself only: it is then the same
+computation as a one-slot query at t, which training runs at every position (EAGLE-style density).
+With cfg.context_residual every slot's input also gets W_s C_{t-1} (W_s zero at init): the last context
+position enters the residual stream directly, as h_{t-1} does in EAGLE-3 and MTP.
 """
 
 from __future__ import annotations
@@ -48,6 +52,16 @@ class DraftTree:
     confidences: torch.Tensor  # [N] float32 q(node | parent): the scheduler's c_i
 
 
+@dataclass
+class Singles:
+    """One-slot first-position queries of a training batch (dense_first): the block's first slot alone."""
+
+    emb: torch.Tensor  # [B, D, H] target embedding of x_t
+    pos: torch.Tensor  # [B, D] int64 t
+    last_c: torch.Tensor | None  # [B, D, H] C_{t-1} (context_residual), else None
+    h: torch.Tensor | None = None  # [B, D, H] final-normed h_1, filled by the backbone
+
+
 class DFlashModel(nn.Module):
     """Trainable DFlash weights: context fusion, mask embedding, N injected layers, final norm."""
 
@@ -56,6 +70,7 @@ class DFlashModel(nn.Module):
         self.gamma = cfg.gamma
         self.offset = 0 if cfg.anchor_as_first else 1  # slot of draft k is k - 1 + offset
         self.block_len = cfg.gamma + self.offset
+        self.first_alone = cfg.dense_first  # the block mask's first slot sees only context and itself
         H = shape.hidden
         self.fc = nn.Linear(len(cfg.feature_layers) * H, H, bias=False)
         self.context_norm = RMSNorm(H, shape.eps)
@@ -67,6 +82,11 @@ class DFlashModel(nn.Module):
         n = cfg.loss_vocab_size
         self.register_buffer("draft_ids", torch.zeros(n, dtype=torch.long) if n else None)
         self.layers = nn.ModuleList(InjectedDecoderLayer(shape) for _ in range(cfg.num_layers))
+        self.slot_context = nn.Linear(H, H, bias=False) if cfg.context_residual else None  # W_s
+        self.next_token = nn.Linear(H, H, bias=False) if cfg.context_next_token else None  # W_e
+        for lin in (self.slot_context, self.next_token):
+            if lin is not None:
+                nn.init.zeros_(lin.weight)
         self.norm = RMSNorm(H, shape.eps)
         self.rotary = Rotary(shape.head_dim, shape.rope_theta)
 
@@ -99,32 +119,47 @@ class DFlashModel(nn.Module):
         self.fc.weight[:, -H:] = torch.eye(H)
         self.context_norm.weight.copy_(src[0].input_layernorm.weight)
 
-    def context(self, features: torch.Tensor) -> torch.Tensor:
-        """features: [B, T, n_feat, H] target layer outputs -> C: [B, T, H]."""
-        return self.context_norm(self.fc(features.to(self.dtype).flatten(2)))
+    def context(self, features: torch.Tensor, next_emb: torch.Tensor | None = None) -> torch.Tensor:
+        """features: [B, T, n_feat, H] target layer outputs, next_emb: [B, T, H] Emb(x_{s+1}) (context_next_token)
+        -> C: [B, T, H]."""
+        c = self.context_norm(self.fc(features.to(self.dtype).flatten(2)))
+        return c if self.next_token is None else c + self.next_token(next_emb.to(self.dtype))
 
     def context_kv(self, c: torch.Tensor, positions: torch.Tensor) -> list[KV]:
         """C: [B, T, H] at positions [B, T] -> per layer K/V [B, n_kv, T, d] (block independent)."""
         return [layer.context_kv(c, positions, self.rotary) for layer in self.layers]
 
     def backbone(
-        self, ctx: list[KV], anchor_emb: torch.Tensor, anchor_pos: torch.Tensor, mask: torch.Tensor
+        self, ctx: list[KV], anchor_emb: torch.Tensor, anchor_pos: torch.Tensor, mask: torch.Tensor,
+        last_c: torch.Tensor | None = None, singles: Singles | None = None,
     ) -> torch.Tensor:
         """A blocks per sequence in one pass.
 
         ctx: per-layer context K/V; anchor_emb: [B, A, H] target embedding of x_t; anchor_pos:
-        [B, A] t; mask: [B, A·L, Tc + A·L] (masks.block_attention_mask) -> h: [B, A, γ, H]
-        final-normed hidden states at the draft slots (U_k = lm_head(h_k)).
+        [B, A] t; mask: [B, A·L (+ D), Tc + A·L (+ D)] (blocks.block_attention_mask); last_c: [B, A, H]
+        C_{t-1} (context_residual only; zero for t = 0) -> h: [B, A, γ, H] final-normed hidden states at
+        the draft slots (U_k = lm_head(h_k)). singles (training, dense_first): D one-slot queries run in
+        the same pass; their h_1 [B, D, H] is written to singles.h.
         """
         B, A, H = anchor_emb.shape
         L = self.block_len
         x = self.mask_embedding.expand(B, A, L, H).clone()  # [B, A, L, H]
         x[:, :, 0] = anchor_emb.to(self.dtype)
+        if self.slot_context is not None:
+            x = x + self.slot_context(last_c.to(self.dtype))[:, :, None]  # every slot: + W_s C_{t-1}
         x = x.flatten(1, 2)  # [B, A·L, H]
         pos = block_positions(anchor_pos, L)  # [B, A·L]
+        if singles is not None:  # a first slot alone: x_t's embedding (+ W_s C_{t-1}) at position t
+            first = singles.emb.to(self.dtype)  # [B, D, H]
+            if self.slot_context is not None:
+                first = first + self.slot_context(singles.last_c.to(self.dtype))
+            x, pos = torch.cat([x, first], 1), torch.cat([pos, singles.pos], 1)  # [B, A·L + D, H], [B, A·L + D]
         for layer, kv in zip(self.layers, ctx):
             x = layer(x, pos, kv, mask, self.rotary)
-        h = self.norm(x).view(B, A, L, H)
+        x = self.norm(x)
+        if singles is not None:
+            singles.h = x[:, A * L :]  # [B, D, H]
+        h = x[:, : A * L].view(B, A, L, H)
         return h[:, :, self.offset : self.offset + self.gamma]  # [B, A, γ, H]
 
     def decode_blocks(

@@ -9,10 +9,10 @@ import torch
 
 from selfdraft.drafters.blocks import block_attention_mask
 from selfdraft.methods.dflash.config import DFlashConfig
-from selfdraft.methods.dflash.model import DFlashModel
+from selfdraft.methods.dflash.model import DFlashModel, Singles
 from selfdraft.target import Target, lm_logits
 from selfdraft.training.draft_vocab import draft_vocab_of
-from selfdraft.training.masks import sample_anchors
+from selfdraft.training.masks import first_slot_queries, sample_anchors
 from selfdraft.training.objectives import (
     VocabLoss,
     accuracy_at_k,
@@ -42,6 +42,13 @@ class TeacherForced:
     prev: torch.Tensor  # [B, A, γ] x_{t+k-1} (ground truth; x_t = the anchor for k = 1)
     src: torch.Tensor  # [B, A, γ] t+k-1: where the target's own distribution p_t for x_{t+k} is read
     valid: torch.Tensor  # [B, A, γ] bool: a real anchor, t+k inside the sequence, an assistant token
+    # [B, A, γ] bool: a row of a sampled block. dense_first appends D one-slot queries as rows A..A+D-1
+    # (only k = 1 valid); accuracy@k is read on the blocks alone, so runs with and without compare.
+    in_block: torch.Tensor
+
+    def block_rows(self) -> torch.Tensor:
+        """[N] bool: which valid positions belong to a sampled block (flattened like `x[self.valid]`)."""
+        return self.in_block[self.valid]
 
     def k_idx(self) -> torch.Tensor:
         """[N] 0-based block index of every valid position (flattened like `x[self.valid]`)."""
@@ -107,12 +114,47 @@ def teacher_forced_blocks(
     src = (idx - 1).clamp(max=T - 1)
     prev = ids.gather(1, src.flatten(1)).view(idx.shape)
     # 3. Context once per sequence (positions 0..T-1), then all blocks under the block mask.
-    c = model.context(batch.features)  # [B, T, H]
+    nxt = None
+    if model.next_token is not None:  # Emb(x_{s+1}) at every context position (the last one is never read)
+        nxt = target.embed(torch.cat([ids[:, 1:], ids[:, -1:]], 1))  # [B, T, H]
+    c = model.context(batch.features, nxt)  # [B, T, H]
     ctx = model.context_kv(c, torch.arange(T, device=ids.device).expand(B, T))
+
+    def last_c(pos: torch.Tensor) -> torch.Tensor | None:  # [B, n] t -> [B, n, H] C_{t-1} (zero at t = 0)
+        if model.slot_context is None:
+            return None
+        return c.gather(1, (pos - 1).clamp(min=0)[..., None].expand(-1, -1, c.shape[-1])) * (pos > 0)[..., None]
+
+    # 4. dense_first: one-slot queries at every other candidate t, in the same pass (the block's first
+    #    slot alone, so position 1 is supervised at every position for one slot each).
+    singles = None
+    if cfg.dense_first:
+        q = first_slot_queries(batch.loss_mask, batch.attention_mask, anchors)  # [B, D]
+        singles = Singles(target.embed(ids.gather(1, q.pos)), q.pos, last_c(q.pos))
+    mask = block_attention_mask(anchors.pos, T, model.block_len, model.first_alone,
+                                None if singles is None else singles.pos)  # [B, A·L + D, T + A·L + D]
     anchor_emb = target.embed(ids.gather(1, anchors.pos))  # [B, A, H]
-    mask = block_attention_mask(anchors.pos, T, model.block_len)  # [B, A·L, T + A·L]
-    h = model.backbone(ctx, anchor_emb, anchors.pos, mask)  # [B, A, γ, H]
-    return TeacherForced(h=h, gold=gather(ids), prev=prev, src=src, valid=valid)
+    h = model.backbone(ctx, anchor_emb, anchors.pos, mask, last_c(anchors.pos), singles)  # [B, A, γ, H]
+    tf = TeacherForced(h=h, gold=gather(ids), prev=prev, src=src, valid=valid, in_block=torch.ones_like(valid))
+    return tf if singles is None else _with_singles(tf, singles, q.valid, ids)
+
+
+def _with_singles(tf: TeacherForced, s: Singles, ok: torch.Tensor, ids: torch.Tensor) -> TeacherForced:
+    """Append D one-slot queries to the A blocks as rows whose only valid position is k = 1:
+    h_1 = s.h, x_1 = ids[t+1], x_0 = ids[t], p_t read at t. ok: [B, D] real queries."""
+    B, D, H = s.h.shape
+    g = tf.gold.shape[-1]
+    first = torch.zeros(B, D, g, dtype=torch.bool, device=ok.device)
+    first[:, :, 0] = ok  # [B, D, γ]
+
+    def rows(x: torch.Tensor) -> torch.Tensor:  # [B, D] -> [B, D, γ] (x at k = 1, 0 elsewhere)
+        return torch.where(first, x[..., None], 0)
+
+    h = torch.cat([s.h[:, :, None], s.h.new_zeros(B, D, g - 1, H)], 2)  # [B, D, γ, H]
+    cat = lambda a, b: torch.cat([a, b], 1)  # noqa: E731  (blocks first, then the singles)
+    return TeacherForced(h=cat(tf.h, h), gold=cat(tf.gold, rows(ids.gather(1, s.pos + 1))),
+                         prev=cat(tf.prev, rows(ids.gather(1, s.pos))), src=cat(tf.src, rows(s.pos)),
+                         valid=cat(tf.valid, first), in_block=cat(tf.in_block, torch.zeros_like(first)))
 
 
 class DFlashStrategy(Strategy):
@@ -129,7 +171,8 @@ class DFlashStrategy(Strategy):
         d = draft_losses(model, target, batch, tf, None, with_l1=False, ce_label=cfg.ce_label)  # U_k over V (or V')
         w = position_weights(cfg.gamma, cfg.loss_decay, gold.device)
         ce = weighted_mean(d.ce, k_idx[d.ce_rows], w)
-        metrics = {"ce": ce.item(), **accuracy_at_k(d.pred, gold, k_idx, cfg.gamma)}
+        blk = tf.block_rows()  # accuracy on the sampled blocks (dense_first's extra queries excluded)
+        metrics = {"ce": ce.item(), **accuracy_at_k(d.pred[blk], gold[blk], k_idx[blk], cfg.gamma)}
         return LossOutput(loss=ce, tokens=int(gold.numel()), metrics=metrics)
 
 

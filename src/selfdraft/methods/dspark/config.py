@@ -20,10 +20,16 @@ class DSparkConfig(DFlashConfig):
     # gradient does not vanish on tokens q still gives little mass (∂|q_v - p_v|/∂z_v carries q_v).
     w_kl: float = knob(0.0, "soft cross-entropy (KL(p_t || q)) loss weight")
     w_conf: float = knob(1.0, "confidence (BCE) loss weight")
+    # A TV-heavy loss learns slowly from random init (|q_v - p_v| has no gradient toward a token q barely
+    # proposes); the soft CE does not. Over the first N training tokens w_tv's share moves linearly from
+    # the soft CE to TV (r = seen / N: r·w_tv on TV, (1 - r)·w_tv more on the soft CE). 0 = TV from the start.
+    kl_to_tv_tokens: int = knob(0, "anneal from soft CE to the TV mix over the first N training tokens (0 = off)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.markov_head not in ("vanilla", "gated", "rnn"):
             raise ConfigError(f"markov_head must be vanilla, gated or rnn, got {self.markov_head!r}")
+        if self.kl_to_tv_tokens < 0:
+            raise ConfigError(f"kl_to_tv_tokens must be >= 0 (0 = off), got {self.kl_to_tv_tokens}")
         if self.markov_rank < 0:
             raise ConfigError(f"markov_rank must be >= 0 (0 = no Markov head), got {self.markov_rank}")
