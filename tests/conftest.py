@@ -8,32 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
 from selfdraft.target import Target
-
-
-def tiny_llama(vocab: int = 96, hidden: int = 32, layers: int = 4, seed: int = 0, peaked: float = 0.0,
-               max_pos: int = 256, intermediate: int | None = None) -> LlamaForCausalLM:
-    """A random Llama small enough for unit tests. `peaked` > 0 scales the output layer so p is far
-    from uniform (statistical tests need distributions that differ visibly between models)."""
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=intermediate or 2 * hidden, max_position_embeddings=max_pos,
-        tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None,
-    )
-    model = LlamaForCausalLM(cfg).float().eval()
-    if peaked:
-        with torch.no_grad():
-            model.lm_head.weight.normal_(0.0, peaked / hidden**0.5)
-    return model
+from tests.helpers import tiny_llama  # noqa: F401  (tests that still import it from here)
 
 
 @pytest.fixture(scope="session", autouse=True)
 def run_cache(tmp_path_factory) -> Path:
     """Tests never read or write the user's cache (converted targets, hardware profiles, GGUF exports):
-    SELFDRAFT_CACHE points at a folder of this run for the whole session, so `selfdraft profile` in a test
+    SELFDRAFT_CACHE points at a folder of this run for the whole run, so `selfdraft profile` in a test
     cannot change the profile the user's scheduler reads. The embedded target is converted at most once
     per run (~20 s), by the first test that needs it."""
     old = os.environ.get("SELFDRAFT_CACHE")

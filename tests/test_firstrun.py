@@ -19,7 +19,7 @@ from selfdraft.config import DEFAULT_THREADS
 from selfdraft.progress import LogProgress, progress_bar
 from selfdraft.training.calibrate import HeldOutRounds, report, sequential_temperature_scaling
 from selfdraft.training.sources import SourceStats, collect_prompts, select_prompts
-from tests.conftest import tiny_llama
+from tests.helpers import readme_first_try, tiny_llama
 from tests.toy_training import TOY, single_thread, toy_method, write_dataset  # noqa: F401  (fixtures)
 
 
@@ -247,18 +247,6 @@ def test_train_final_only_drops_the_trainer_state(toy_method, target_dir, tmp_pa
 
 
 # ------------------------------------------------------------------ 8. the README's first try, as written there
-def readme_first_try() -> list[list[str]]:
-    """The commands of the README's "First try at small scale" block (after `$S`), read from README.md."""
-    import re
-    import shlex
-    from pathlib import Path
-
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    block = re.search(r"First try at small scale.*?```bash\n(.*?)```", text, flags=re.S)
-    assert block, "README.md lost its 'First try at small scale' block"
-    return [shlex.split(line)[1:] for line in block.group(1).splitlines() if line.startswith("$S ")]
-
-
 def test_the_readme_first_try_runs_as_written(tmp_path, monkeypatch):
     """Every command of the README's small-scale pipeline, verbatim, on a tiny chat model instead of the
     embedded target (the only change: --target, float32, and paths under a temporary directory)."""

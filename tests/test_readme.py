@@ -1,4 +1,4 @@
-"""The README is a contract (issue 24): what a newcomer reads first must stay true. Fast: nothing loads
+"""The README is a contract: what a newcomer reads first must stay true. Fast: nothing loads
 a model. Commands are checked against the Typer app itself (its click tree), not `--help` text.
 
 - the first screen names the two commands, and both are Makefile targets;
@@ -11,121 +11,19 @@ a model. Commands are checked against the Typer app itself (its click tree), not
 from __future__ import annotations
 
 import re
-import shlex
-from pathlib import Path
 
 import pytest
 import typer
 
 from selfdraft.cli import app
-from tests.test_structure import heading_anchors
+from tests.helpers import ROOT, cli_problem, readme_first_try, code_blocks, inline_spans, make_targets, path_problems, readme_invocations, \
+    selfdraft_invocations, shell_lines  # noqa: F401
 
-ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-# The order a newcomer needs (issue 24): each a level-2 heading starting with these words.
+# The order a newcomer needs: each a level-2 heading starting with these words.
 SECTIONS = ("Two commands", "The pipeline", "Serving", "Export", "Run your drafter in llama.cpp", "Distributed training", "Evidence",
             "Layout")
 FIRST_SCREEN = 60  # lines
-
-
-# ----------------------------------------------------------------------------- reading the README
-def code_blocks(text: str) -> list[str]:
-    """The bodies of the fenced shell blocks (```bash ... ```); other blocks (Python, the layout) are not commands."""
-    return re.findall(r"^```(?:bash|sh|shell|console)\n(.*?)^```", text, flags=re.S | re.M)
-
-
-def inline_spans(text: str) -> list[str]:
-    """Inline code spans outside fenced blocks."""
-    prose = re.sub(r"^```[^\n]*\n.*?^```", "", text, flags=re.S | re.M)
-    return re.findall(r"`([^`\n]+)`", prose)
-
-
-def shell_lines(block: str) -> list[str]:
-    """Logical shell lines of a code block: continuations joined, comments dropped."""
-    lines, cur = [], ""
-    for raw in block.splitlines():
-        line = re.sub(r"(^|\s)#.*$", "", raw).rstrip()  # a comment starts at a '#' after whitespace
-        if line.endswith("\\"):
-            cur += line[:-1] + " "
-            continue
-        lines.append(cur + line)
-        cur = ""
-    return [line for line in lines + [cur] if line.strip()]
-
-
-def selfdraft_invocations(line: str) -> list[list[str]]:
-    """Each `selfdraft ...` in a shell line, as its argument list (command words and options)."""
-    try:
-        words = shlex.split(line)
-    except ValueError:  # not shell (e.g. Python in a block): nothing to check
-        return []
-    out, i = [], 0
-    while i < len(words):
-        w = words[i]
-        is_cli = w in ("$S", "selfdraft") or (w.endswith("/bin/selfdraft") and "=" not in w) or (w == "selfdraft" and i and words[i - 1] == "-m")
-        if is_cli:
-            j = i + 1
-            while j < len(words) and words[j] not in ("&&", "||", "|", ";"):
-                j += 1
-            out.append(words[i + 1 : j])
-            i = j
-        i += 1
-    return out
-
-
-def readme_invocations(text: str) -> list[list[str]]:
-    found = [inv for block in code_blocks(text) for line in shell_lines(block) for inv in selfdraft_invocations(line)]
-    found += [inv for span in inline_spans(text) if re.match(r"(\$S|selfdraft) \w", span)
-              for inv in selfdraft_invocations(span)]
-    return found
-
-
-# ----------------------------------------------------------------------------- checking against the app
-def cli_problem(args: list[str], root) -> str | None:
-    """Why `selfdraft ARGS` is not a command line of the app (None if it is): an unknown command or
-    subcommand, or an option the command does not declare."""
-    cmd = root
-    words = list(args)
-    while hasattr(cmd, "commands"):  # a group (typer may bring its own click: no isinstance)
-        if not words or words[0].startswith("-"):
-            return None if cmd is not root else "no command"
-        name = words.pop(0)
-        if name not in cmd.commands:
-            return f"unknown command {name!r} (known: {sorted(cmd.commands)})"
-        cmd = cmd.commands[name]
-    opts = {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)} | {"--help"}
-    for w in words:
-        if w.startswith("-") and len(w) > 1 and not re.fullmatch(r"-\d[\d.]*", w):  # not a negative number
-            if w.split("=", 1)[0] not in opts:
-                return f"{cmd.name} has no option {w.split('=', 1)[0]}"
-    return None
-
-
-def make_targets() -> set[str]:
-    text = (ROOT / "Makefile").read_text()
-    return {m for line in re.findall(r"^([\w./$()-][^:=\n]*):(?!=)", text, flags=re.M) for m in line.split()}
-
-
-# A repo path the README names: under one of the tracked top-level folders, or a top-level file.
-REPO_PATH = re.compile(r"(?<![\w./~-])((?:src|tests|docs|scripts|checkpoints|data/reference)/[\w./-]*[\w-]|"
-                       r"(?:BENCHMARKS|README)\.md|Makefile|pyproject\.toml)(?:::(\w+))?(?:#([\w-]+))?")
-
-
-def path_problems(text: str) -> list[str]:
-    bad = []
-    for path, test_name, anchor in REPO_PATH.findall(text):
-        f = ROOT / path
-        if not f.exists():
-            bad.append(f"{path}: no such file or folder")
-        elif test_name and f"def {test_name}(" not in f.read_text():
-            bad.append(f"{path}::{test_name}: no such test")
-        elif anchor and f.suffix == ".md" and anchor not in heading_anchors(f):
-            bad.append(f"{path}#{anchor}: no such heading")
-    for page, anchor in re.findall(r"\]\(((?:[\w-]+/)*[\w-]+\.md)(?:#([\w-]+))?\)", text):  # Markdown links
-        f = ROOT / page
-        if not f.is_file() or (anchor and anchor not in heading_anchors(f)):
-            bad.append(f"link {page}#{anchor}: does not resolve")
-    return bad
 
 
 def readme_problems(text: str) -> list[str]:
@@ -166,8 +64,6 @@ def test_the_readme_keeps_its_promises():
 
 
 def test_the_first_try_block_is_the_one_the_pipeline_test_runs():
-    from tests.test_firstrun import readme_first_try
-
     commands = readme_first_try()
     assert [c[0] for c in commands] == ["data", "data", "train", "calibrate", "bench"]
     assert all(" ".join(c).count("--target") == 0 for c in commands)  # the embedded target, as a newcomer runs it

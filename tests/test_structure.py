@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT, heading_anchors, repo_text_files  # noqa: F401
+
 SRC = ROOT / "src"
 PKG = "selfdraft"
 
@@ -196,30 +197,6 @@ def test_inference_modules_import_without_training():
 DOC_WORD = "DES" + "IGN"  # spelled in two parts, so a grep for the word finds real citations only
 OUTSIDE_DOC = re.compile(rf"\b{DOC_WORD}(?:\.md|\s+(?:sections?\s+)?\d)")  # a design document not in this repository
 MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:work|root)/|(?<![\w/-])(?:\.\./)*" + "sha" + "red/")  # this machine's paths and its shared folder
-SKIP = (
-    ".gitignore",  # its patterns are repository-relative: a leading slash means the repository root
-)
-
-
-def repo_text_files() -> list[Path]:
-    """Tracked and untracked-but-not-ignored text files of the repository."""
-    try:
-        res = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                             capture_output=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        pytest.skip("not a git checkout")
-    files = []
-    for name in res.stdout.decode().split("\0"):
-        f = ROOT / name
-        if not name or name in SKIP or not f.is_file():
-            continue
-        # Regenerated conversations are third-party prompt text (ShareGPT users' shell sessions), not citations.
-        if name.startswith("data/") and name.endswith(".jsonl"):
-            continue
-        data = f.read_bytes()
-        if b"\0" not in data[:8192]:
-            files.append(f)
-    return files
 
 
 def test_no_file_cites_outside_documents_or_machine_paths():
@@ -232,18 +209,6 @@ def test_no_file_cites_outside_documents_or_machine_paths():
 
 
 # ----------------------------------------------------------------------------- docs references resolve
-def heading_anchors(md: Path) -> set[str]:
-    """GitHub-style anchors of a Markdown file's headings (lowercase, punctuation dropped, spaces -> '-')."""
-    out, fenced = set(), False
-    for line in md.read_text(encoding="utf-8").splitlines():
-        if line.startswith("```"):
-            fenced = not fenced
-        elif not fenced and line.startswith("#"):
-            title = line.lstrip("#").strip().lower()
-            out.add(re.sub(r"\s", "-", re.sub(r"[^\w\- ]", "", title)))
-    return out
-
-
 DOCS_REF = re.compile(r"(?<![\w/.])docs/((?:[\w-]+/)*[\w-]+\.md)(?:#([\w-]+))?")  # a repo-relative page, optional anchor
 MD_LINK = re.compile(r"\]\(((?:\.\./)*(?:[\w-]+/)*[\w-]+\.md)(?:#([\w-]+))?\)")  # a Markdown link between docs pages
 
