@@ -10,14 +10,16 @@ from typing import Optional
 
 import typer
 
-from selfdraft.cli.common import ComputeDtypeOpt, DeviceOpt, DtypeOpt, TargetOpt, ThreadsOpt, command, set_threads, warn
+from selfdraft.cli.common import (ComputeDtypeOpt, DeviceOpt, DtypeOpt, TargetOpt, ThreadsOpt, command, default_of,
+                                  note, set_threads, warn)
+from selfdraft.training.synthesize.config import GateConfig, SynthConfig
 
 
 def register(app: typer.Typer) -> None:
     """Add the `data` group to the root app."""
     data_app = typer.Typer(no_args_is_help=True, help="Training data: prompts, target-regenerated answers, features, draft vocab.")
-    for name, fn in (("prompts", data_prompts), ("regenerate", data_regenerate), ("original", data_original),
-                     ("features", data_features), ("vocab", data_vocab)):
+    for name, fn in (("prompts", data_prompts), ("regenerate", data_regenerate), ("synthesize", data_synthesize),
+                     ("original", data_original), ("features", data_features), ("vocab", data_vocab)):
         command(data_app, name)(fn)
     app.add_typer(data_app, name="data")
 
@@ -111,6 +113,94 @@ def data_regenerate(
     if totals["train"]["records"] + totals["val"]["records"] and not totals["val"]["records"]:
         warn(f"{out} has no validation conversations: `train` reports no val loss and `calibrate --split val` has "
               "nothing to read; regenerate into a new --out with a larger --limit or --val-fraction")
+
+
+def data_synthesize(
+    out: Path = typer.Option(..., "--out", "-o", help="dataset directory (rerun the same command to resume; a larger "
+                             "--limit extends it)"),
+    limit: int = typer.Option(..., "--limit", help="conversations to keep (prompts that pass every gate)"),
+    domain: list[str] = typer.Option(["chat"], "--domain", help="chat (the template's user header alone) | code | "
+                                     "math (steered by a system prompt and seed topics); repeatable: round robin"),
+    topics: Optional[Path] = typer.Option(None, "--topics", help="your own seed topics, one a line (`#` comments): "
+                                          "each prompt is steered towards one of them"),
+    system: Optional[str] = typer.Option(None, "--system", help="your own steering system prompt ({topic} = the "
+                                         "slot's topic); shown only while the target writes the prompt"),
+    target: Optional[str] = TargetOpt,
+    num_turns: int = typer.Option(1, "--turns", help="user turns per conversation: after each answer the target "
+                                  "writes the next user turn too (only answers are trained, each once)"),
+    prompt_temperature: float = typer.Option(default_of(SynthConfig, "prompt_temperature"), "--prompt-temperature"),
+    prompt_top_p: float = typer.Option(default_of(SynthConfig, "prompt_top_p"), "--prompt-top-p"),
+    max_prompt_new_tokens: int = typer.Option(default_of(SynthConfig, "max_prompt_new_tokens"), "--max-prompt-new-tokens",
+                                              help="a prompt still unfinished after N tokens is removed"),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="answer tokens"),
+    max_prompt_tokens: int = typer.Option(512, "--max-prompt-tokens", help="templated context before an answer"),
+    temperature: Optional[float] = typer.Option(None, "--temperature", "-t", help="answers; default: target's, else 0.7"),
+    top_p: Optional[float] = typer.Option(None, "--top-p", help="answers; default: target's, else 0.9"),
+    batch_size: int = typer.Option(16, "--batch-size", "-b", help="prompt slots sampled (and answered) together"),
+    val_fraction: float = typer.Option(default_of(SynthConfig, "val_fraction"), "--val-fraction"),
+    seed: int = typer.Option(0, "--seed"),
+    min_prompt_tokens: int = typer.Option(default_of(GateConfig, "min_prompt_tokens"), "--min-prompt-tokens"),
+    near_dup: float = typer.Option(default_of(GateConfig, "near_dup"), "--near-dup", help="word 3-gram Jaccard at or "
+                                   "above which a prompt is a near-duplicate"),
+    language: str = typer.Option(default_of(GateConfig, "language"), "--language", help="en | any (no language gate)"),
+    exclude: list[str] = typer.Option([], "--exclude", help="a dataset directory, a campaign ledger (the sources its "
+                                      "keys name) or a prompt source (sharegpt, FILE, hf:NAME), repeatable: prompts "
+                                      "(near-)duplicating theirs are removed"),
+    exclude_prompts: list[Path] = typer.Option([], "--exclude-prompts", help="an evaluation set (a prompt file or a "
+                                               "directory of .jsonl/.json), repeatable: prompts matching it are "
+                                               "removed, like the bundled benchmark prompts always are"),
+    threads: int = ThreadsOpt,
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+) -> None:
+    """The target writes user prompts from its chat template's user header, the gates remove bad,
+    duplicate and evaluation prompts, the target answers: training data with no dataset at all."""
+    import shlex
+    import time
+
+    from selfdraft.target import Target
+    from selfdraft.training.regenerate import RegenConfig, recommended_sampling
+    from selfdraft.training.synthesize.domains import resolve_domains
+    from selfdraft.training.synthesize.gates import PromptGates
+    from selfdraft.training.synthesize.loop import synthesize
+    from selfdraft.training.synthesize.neardup import NearDupIndex
+    from selfdraft.training.synthesize.references import eval_prompts, excluded_prompts
+
+    # 1. everything that can be wrong with the input, before the target loads
+    domains = resolve_domains(domain, topics, system)
+    gate_cfg = GateConfig(min_prompt_tokens=min_prompt_tokens, language=language, near_dup=near_dup)
+    cfg = SynthConfig(domains=domains, prompt_temperature=prompt_temperature, prompt_top_p=prompt_top_p,
+                      max_prompt_new_tokens=max_prompt_new_tokens, val_fraction=val_fraction, gates=gate_cfg)
+    t0 = time.perf_counter()
+    eval_texts, eval_labels = eval_prompts(exclude_prompts)
+    eval_index = NearDupIndex(eval_texts, near_dup, gate_cfg.ngram, eval_labels)
+    excluded = [t for spec in exclude for t in excluded_prompts(spec)]
+    dedup = NearDupIndex(excluded, near_dup, gate_cfg.ngram)
+    note(f"gates: {len(eval_texts)} evaluation prompts, {len(excluded)} excluded prompts indexed in "
+         f"{time.perf_counter() - t0:.0f}s")
+    # 2. the target, and its answer sampling (as `data regenerate`)
+    set_threads(threads)
+    tgt = Target.load(target, dtype=dtype, device=device)
+    rec = {"temperature": 0.7, "top_p": 0.9, **recommended_sampling(tgt)}
+    regen = RegenConfig(temperature=rec["temperature"] if temperature is None else temperature,
+                        top_p=rec["top_p"] if top_p is None else top_p, max_new_tokens=max_new_tokens,
+                        max_prompt_tokens=max_prompt_tokens, num_turns=num_turns, batch_size=batch_size, seed=seed)
+    provenance = {"command": shlex.join(["selfdraft", *sys.argv[1:]]), "sources": [f"synth-{d.name}" for d in domains],
+                  "limit": limit, "exclude": list(exclude), "exclude_prompts": [str(p) for p in exclude_prompts],
+                  "val_fraction": val_fraction, "dtype": dtype, "threads": threads, "device": str(tgt.device)}
+    # 3. write, gate, answer
+    s = synthesize(tgt, out, limit, cfg, regen, PromptGates(gate_cfg, eval_index, dedup), provenance=provenance)
+    note(s.first.table("first turns") + ("\n" + s.followup.table("follow-up turns") if num_turns > 1 else ""))
+    note(f"wrote {s.written} conversations ({s.kept} in the dataset), {s.prompt_tokens} prompt + {s.answer_tokens} "
+         f"answer tokens in {s.wall_s:.0f}s = {s.tokens_per_s:.1f} tok/s -> {out}")
+    totals = json.loads((out / "manifest.json").read_text())["totals"]
+    note(f"dataset: {totals['train']['records']} train + {totals['val']['records']} val conversations")
+    if s.kept < limit:
+        warn(f"the gates kept {s.kept} of the {limit} conversations asked for within {cfg.max_attempts} prompts per "
+             f"conversation; see the counts above (--near-dup, --language, --max-prompt-new-tokens)")
+    if totals["train"]["records"] + totals["val"]["records"] and not totals["val"]["records"]:
+        warn(f"{out} has no validation conversations: synthesize into it with a larger --limit or a new --out with "
+             f"a larger --val-fraction")
 
 
 def data_original(

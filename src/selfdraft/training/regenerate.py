@@ -80,11 +80,12 @@ def generate_answers(
 @torch.inference_mode()
 def sample_batch(
     target, prompts: list[list[int]], params: SamplingParams, max_new_tokens: int,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | None = None, stop_ids: set[int] | None = None,
 ) -> list[list[int]]:
     """Sample continuations of B prompts together: left padding + attention mask + one KV cache.
 
     Returns per prompt the generated ids, ending at (and including) the first end-of-turn token
+    (stop_ids, default the target's eos_ids; a sampled user turn may end with another token)
     or after max_new_tokens. Finished rows leave the batch (cache rows dropped), so long answers
     do not make short ones pay. (HF `generate` measured several times slower per token on CPU.)
     """
@@ -100,7 +101,7 @@ def sample_batch(
     out: list[list[int]] = [[] for _ in prompts]
     alive = torch.arange(B)  # [B'] original row of each live batch row
     next_pos = mask.sum(-1)  # [B'] position of the token sampled next
-    eos = torch.tensor(sorted(target.eos_ids), dtype=torch.long)
+    eos = torch.tensor(sorted(target.eos_ids if stop_ids is None else stop_ids), dtype=torch.long)
     for _ in range(max_new_tokens):
         # [B'] on the host (one copy per token): the bookkeeping below (alive rows, masks, EOS) is host-side
         tok = sample_logits(step.logits[:, -1], params, generator).cpu()
