@@ -19,7 +19,7 @@ from selfdraft.training.synthesize.gates import GateCounts, PromptGates, is_garb
 from selfdraft.training.synthesize.loop import LOG, ChatTemplate, SynthesisLog, synthesize
 from selfdraft.training.synthesize.neardup import NearDupIndex, normalize
 from selfdraft.training.synthesize.references import eval_prompts, excluded_prompts
-from tests.conftest import tiny_llama
+from tests.helpers import tiny_llama
 
 EMBEDDED_DIR = cache_root() / "targets" / "smollm2-135m-instruct"
 needs_tokenizer = pytest.mark.skipif(not EMBEDDED_DIR.exists(), reason="embedded target not converted yet")
@@ -196,8 +196,8 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
     ]:
         res = CliRunner().invoke(app, ["data", "synthesize", *out, *args])
         assert res.exit_code == 2 and msg in res.output, res.output
-        assert len(res.output.strip().splitlines()) == 1 or "has no chat template" in res.output, res.output
-        assert res.output.strip().splitlines()[-1].startswith("error: ")
+        lines = [line for line in res.output.splitlines() if not line.startswith("gates: ")]  # the progress note
+        assert len(lines) == 1 and lines[0].startswith("error: "), res.output
     assert not (tmp_path / "d" / LOG).exists()
 
 
@@ -325,3 +325,27 @@ def test_chat_template_is_cut_at_the_user_turn(tokenizer):
     msgs = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"}]
     ids = tpl.next_turn(msgs, {1: tokenizer("Hello!", add_special_tokens=False)["input_ids"]})
     assert tokenizer.decode(ids).endswith("Hello!<|im_end|>\n<|im_start|>user\n")
+
+
+def test_overlap_reports_the_near_duplicate_rate(tmp_path):
+    """`data overlap DIR --against SPEC`: the share of DIR's first prompts (and of the prompts its synthesis
+    log saw pass the quality gates) that match SPEC's prompts."""
+    from typer.testing import CliRunner
+
+    from selfdraft.cli import app
+
+    recs = [{"id": str(i), "split": "train", "source": "s", "input_ids": [1], "loss_mask": [1],
+             "messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "A"}]}
+            for i, q in enumerate(["How do I sort a list in Python?", "What is the capital of Peru?",
+                                   "Tell me a joke about cats and dogs", "Explain how vaccines train immunity"])]
+    ShardWriter(tmp_path / "d").write(recs)
+    SynthesisLog(tmp_path / "d").append(0, [{"turn": 1, "gate": g, "text": t} for g, t in [
+        ("kept", "How do I sort a list in Python?"), ("near_duplicate", "what IS the capital of Peru now"),
+        ("garbage", "What is the capital of Peru?")]])
+    ref = tmp_path / "ref.jsonl"
+    ref.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in ["how do I sort a list in python", "What is the capital of Peru now?"]))
+    res = CliRunner().invoke(app, ["data", "overlap", str(tmp_path / "d"), "--against", str(ref)])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["records"] == {"prompts": 4, "near_or_exact": 2, "exact": 1, "rate": 0.5}
+    assert out["sampled_passing_quality_gates"] == {"prompts": 2, "near_or_exact": 2, "exact": 2, "rate": 1.0}

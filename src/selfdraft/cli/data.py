@@ -19,7 +19,7 @@ def register(app: typer.Typer) -> None:
     """Add the `data` group to the root app."""
     data_app = typer.Typer(no_args_is_help=True, help="Training data: prompts, target-regenerated answers, features, draft vocab.")
     for name, fn in (("prompts", data_prompts), ("regenerate", data_regenerate), ("synthesize", data_synthesize),
-                     ("original", data_original), ("features", data_features), ("vocab", data_vocab)):
+                     ("overlap", data_overlap), ("original", data_original), ("features", data_features), ("vocab", data_vocab)):
         command(data_app, name)(fn)
     app.add_typer(data_app, name="data")
 
@@ -201,6 +201,35 @@ def data_synthesize(
     if totals["train"]["records"] + totals["val"]["records"] and not totals["val"]["records"]:
         warn(f"{out} has no validation conversations: synthesize into it with a larger --limit or a new --out with "
              f"a larger --val-fraction")
+
+
+def data_overlap(
+    data: Path = typer.Argument(..., help="a dataset directory (from `data synthesize` or `data regenerate`)"),
+    against: list[str] = typer.Option(..., "--against", help="as `data synthesize --exclude`: a dataset directory, a "
+                                      "campaign ledger or a prompt source (sharegpt, FILE, hf:NAME); repeatable"),
+    near_dup: float = typer.Option(default_of(GateConfig, "near_dup"), "--near-dup"),
+) -> None:
+    """How many of a dataset's first prompts are exact or near-duplicates of another's (JSON). With a
+    synthesis log, also over every sampled prompt that passed the quality gates, before deduplication."""
+    from selfdraft.training.records import iter_records
+    from selfdraft.training.synthesize.gates import near_duplicate_share
+    from selfdraft.training.synthesize.loop import OVER_LIMIT, SynthesisLog
+    from selfdraft.training.synthesize.neardup import NearDupIndex
+    from selfdraft.training.synthesize.references import excluded_prompts
+
+    reference = NearDupIndex([t for spec in against for t in excluded_prompts(spec)], near_dup)
+    groups = {"records": [r["messages"][0]["content"] for r in iter_records(data)]}
+    log = SynthesisLog(data)
+    if log.batches:
+        groups["sampled_passing_quality_gates"] = [
+            e["text"] for entries in log.batches.values() for e in entries
+            if e["turn"] == 1 and e["gate"] in ("kept", "duplicate", "near_duplicate", OVER_LIMIT)]
+    out = {"against": list(against), "reference_prompts": len(reference), "near_dup": near_dup}
+    for name, texts in groups.items():
+        near, exact = near_duplicate_share(texts, reference)
+        out[name] = {"prompts": len(texts), "near_or_exact": near, "exact": exact,
+                     "rate": round(near / len(texts), 4) if texts else 0.0}
+    print(json.dumps(out))
 
 
 def data_original(

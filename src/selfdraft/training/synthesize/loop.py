@@ -128,14 +128,17 @@ def slot_topic(domain: Domain, seed: int, slot: int) -> str | None:
 
 class SynthesisLog:
     """`synthesis.jsonl`: one line per finished batch, {"batch": b, "prompts": [{slot, domain, topic,
-    turn, text, tokens, gate, id}, ...]}. A half-written last line (a kill) is cut on open."""
+    turn, text, tokens, gate, id}, ...]}. A half-written last line (a kill) is skipped when reading,
+    and cut off when opened to continue (`repair`: only the writer may, a reader could race it)."""
 
-    def __init__(self, out_dir: Path) -> None:
+    def __init__(self, out_dir: Path, repair: bool = False) -> None:
         self.path = Path(out_dir) / LOG
         self.batches: dict[int, list[dict]] = {}
         if self.path.exists():
-            _cut_partial_line(self.path)
-            for line in self.path.read_text(encoding="utf-8").splitlines():
+            if repair:
+                _cut_partial_line(self.path)
+            text = self.path.read_text(encoding="utf-8")
+            for line in text[: text.rfind("\n") + 1].splitlines():
                 entry = json.loads(line)
                 self.batches[entry["batch"]] = entry["prompts"]
 
@@ -175,7 +178,7 @@ def synthesize(
     _check_same_synthesis(out_dir, cfg)
     manifest = _open_manifest(out_dir, target, regen, {**(provenance or {}), "synthesis": cfg.identity()})
     writer = ShardWriter(out_dir, regen.shard_size)
-    log = SynthesisLog(out_dir)
+    log = SynthesisLog(out_dir, repair=True)
 
     # Replay the log: gate counts, and every kept first turn into the dedup index, in their order.
     first, followup, kept = GateCounts(), GateCounts(), 0
