@@ -349,3 +349,31 @@ def test_overlap_reports_the_near_duplicate_rate(tmp_path):
     out = json.loads(res.output)
     assert out["records"] == {"prompts": 4, "near_or_exact": 2, "exact": 1, "rate": 0.5}
     assert out["sampled_passing_quality_gates"] == {"prompts": 2, "near_or_exact": 2, "exact": 2, "rate": 1.0}
+
+
+@needs_tokenizer
+def test_extend_trains_only_the_new_turns(tmp_path, talker, tokenizer):
+    """--extend DIR: each finished conversation of DIR gets a target-written next user turn and its answer;
+    the copied conversation (trained already) keeps loss mask 0, so no token is trained twice; a
+    conversation whose last answer was cut cannot be continued; a val conversation stays val."""
+    run(talker, tmp_path / "base", limit=12)
+    base = {r["id"]: r for r in load_records(tmp_path / "base")}
+    gate_cfg = GateConfig(language="any", min_prompt_tokens=2)
+    cfg = SynthConfig(extend=str(tmp_path / "base"), max_prompt_new_tokens=24, gates=gate_cfg)
+    regen = RegenConfig(max_new_tokens=12, batch_size=4, num_turns=1)
+    g = PromptGates(gate_cfg, NearDupIndex([], 0.7), NearDupIndex([], 0.7))
+    s = synthesize(talker, tmp_path / "ext", 100, cfg, regen, g, progress=False)
+    recs = load_records(tmp_path / "ext")
+    log = [e for entries in SynthesisLog(tmp_path / "ext").batches.values() for e in entries]
+    assert s.first.sampled == 0 and s.followup.sampled == len(log) > 0 and len(recs) > 0
+    finished = {k for k, r in base.items() if r["input_ids"][[i for i, m in enumerate(r["loss_mask"]) if m][-1]] == tokenizer.eos_token_id}
+    assert {e["extends"].split(":")[1] for e in log} == finished < set(base)  # cut ones are not continued
+    for r in recs:
+        (origin,) = {e["extends"] for e in log if e["id"] == r["id"]}
+        old = base[origin.split(":")[1]]
+        n = len(old["input_ids"])
+        assert r["input_ids"][:n] == old["input_ids"] and r["messages"][: len(old["messages"])] == old["messages"]
+        assert not any(r["loss_mask"][:n]) and any(r["loss_mask"][n:])
+        new_answer = [t for t, m in zip(r["input_ids"][n:], r["loss_mask"][n:]) if m]
+        assert tokenizer.decode(new_answer, skip_special_tokens=True).strip() == r["messages"][-1]["content"].strip()
+        assert r["split"] == old["split"] and r["source"] == "synth-extend" and len(r["messages"]) == len(old["messages"]) + 2

@@ -128,6 +128,9 @@ def data_synthesize(
     target: Optional[str] = TargetOpt,
     num_turns: int = typer.Option(1, "--turns", help="user turns per conversation: after each answer the target "
                                   "writes the next user turn too (only answers are trained, each once)"),
+    extend: Optional[Path] = typer.Option(None, "--extend", help="a dataset directory: continue its conversations "
+                                          "instead (in id order): the target writes --turns new user turns of each "
+                                          "and answers them; the copied turns keep loss mask 0 (trained already)"),
     prompt_temperature: float = typer.Option(default_of(SynthConfig, "prompt_temperature"), "--prompt-temperature"),
     prompt_top_p: float = typer.Option(default_of(SynthConfig, "prompt_top_p"), "--prompt-top-p"),
     max_prompt_new_tokens: int = typer.Option(default_of(SynthConfig, "max_prompt_new_tokens"), "--max-prompt-new-tokens",
@@ -159,6 +162,7 @@ def data_synthesize(
     import time
 
     from selfdraft.target import Target
+    from selfdraft.training.records import DataError
     from selfdraft.training.regenerate import RegenConfig, recommended_sampling
     from selfdraft.training.synthesize.domains import resolve_domains
     from selfdraft.training.synthesize.gates import PromptGates
@@ -170,7 +174,10 @@ def data_synthesize(
     domains = resolve_domains(domain, topics, system)
     gate_cfg = GateConfig(min_prompt_tokens=min_prompt_tokens, language=language, near_dup=near_dup)
     cfg = SynthConfig(domains=domains, prompt_temperature=prompt_temperature, prompt_top_p=prompt_top_p,
-                      max_prompt_new_tokens=max_prompt_new_tokens, val_fraction=val_fraction, gates=gate_cfg)
+                      max_prompt_new_tokens=max_prompt_new_tokens, val_fraction=val_fraction, gates=gate_cfg,
+                      extend=str(extend) if extend is not None else None)
+    if extend is not None and not extend.is_dir():
+        raise DataError(f"--extend {extend}: not a dataset directory")
     t0 = time.perf_counter()
     eval_texts, eval_labels = eval_prompts(exclude_prompts)
     eval_index = NearDupIndex(eval_texts, near_dup, gate_cfg.ngram, eval_labels)
@@ -185,7 +192,8 @@ def data_synthesize(
     regen = RegenConfig(temperature=rec["temperature"] if temperature is None else temperature,
                         top_p=rec["top_p"] if top_p is None else top_p, max_new_tokens=max_new_tokens,
                         max_prompt_tokens=max_prompt_tokens, num_turns=num_turns, batch_size=batch_size, seed=seed)
-    provenance = {"command": shlex.join(["selfdraft", *sys.argv[1:]]), "sources": [f"synth-{d.name}" for d in domains],
+    sources = ["synth-extend"] if extend is not None else [f"synth-{d.name}" for d in domains]
+    provenance = {"command": shlex.join(["selfdraft", *sys.argv[1:]]), "sources": sources,
                   "limit": limit, "exclude": list(exclude), "exclude_prompts": [str(p) for p in exclude_prompts],
                   "val_fraction": val_fraction, "dtype": dtype, "threads": threads, "device": str(tgt.device)}
     # 3. write, gate, answer

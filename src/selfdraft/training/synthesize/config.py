@@ -45,6 +45,7 @@ class SynthConfig:
     val_fraction: float = 0.02
     gates: GateConfig = field(default_factory=GateConfig)
     max_attempts: int = 20  # give up after sampling this many prompt slots per conversation asked for
+    extend: str | None = None  # a dataset directory whose conversations get new turns instead of new prompts
 
     def __post_init__(self) -> None:
         if self.prompt_temperature < 0 or not 0 < self.prompt_top_p <= 1:

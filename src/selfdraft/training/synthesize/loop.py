@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from selfdraft.config import ConfigError, SamplingParams
-from selfdraft.training.records import DataError, ShardWriter, _cut_partial_line, tokenize_conversation
+from selfdraft.training.records import DataError, ShardWriter, _cut_partial_line, iter_records, tokenize_conversation
 from selfdraft.training.regenerate import (
     RegenConfig,
     RegenSummary,
@@ -35,7 +35,7 @@ from selfdraft.training.regenerate import (
     peak_rss_mb,
     sample_batch,
 )
-from selfdraft.training.sources import prompt_id, split_of
+from selfdraft.training.sources import ledger_key, prompt_id, split_of
 from selfdraft.training.synthesize.config import SynthConfig
 from selfdraft.training.synthesize.domains import Domain
 from selfdraft.training.synthesize.gates import GateCounts, PromptGates
@@ -98,10 +98,46 @@ class Conversation:
     messages: list[dict] = field(default_factory=list)
     answer_ids: dict[int, list[int]] = field(default_factory=dict)  # message index -> ids the target sampled
     open_last: bool = False  # the last answer was cut by max_new_tokens: the conversation ends there
+    copied: list[int] = field(default_factory=list)  # --extend: the continued record's input_ids (trained already)
+    copied_messages: int = 0  # --extend: its messages
+    split: str | None = None  # --extend: the continued record's split (a val prompt stays val)
+    origin: str | None = None  # --extend: the continued record's ledger key (source:id)
 
     @property
     def id(self) -> str:
         return prompt_id([m["content"] for m in self.messages if m["role"] == "user"])
+
+    @property
+    def user_turns(self) -> int:
+        return sum(m["role"] == "user" for m in self.messages)
+
+    @property
+    def new_answers(self) -> int:
+        return sum(m["role"] == "assistant" for m in self.messages[self.copied_messages :])
+
+
+def continued(tokenizer, rec: dict, slot: int, eos_ids: set[int]) -> Conversation | None:
+    """A record to continue (--extend), its answers as the ids it holds; None when it cannot be: its last
+    answer was cut (no end of turn), or its messages through the template do not give its input_ids."""
+    spans, cur = [], []
+    for t, m in zip(rec["input_ids"], rec["loss_mask"]):
+        if m:
+            cur.append(t)
+        elif cur:
+            spans, cur = spans + [cur], []
+    spans += [cur] if cur else []
+    answers = [i for i, m in enumerate(rec["messages"]) if m["role"] == "assistant"]
+    if not answers or answers[-1] != len(rec["messages"]) - 1 or len(spans) != len(answers) or spans[-1][-1] not in eos_ids:
+        return None
+    answer_ids = {i: span[:-1] for i, span in zip(answers, spans)}
+    try:
+        again = tokenize_conversation(tokenizer, rec["messages"], answer_ids).input_ids
+    except DataError:
+        return None
+    if again != rec["input_ids"]:
+        return None
+    return Conversation(slot, "extend", None, [dict(m) for m in rec["messages"]], answer_ids, copied=rec["input_ids"],
+                        copied_messages=len(rec["messages"]), split=rec["split"], origin=ledger_key(rec["source"], rec["id"]))
 
 
 @dataclass
@@ -181,16 +217,19 @@ def synthesize(
     log = SynthesisLog(out_dir, repair=True)
 
     # Replay the log: gate counts, and every kept first turn into the dedup index, in their order.
-    first, followup, kept = GateCounts(), GateCounts(), 0
+    first, followup, done = GateCounts(), GateCounts(), set()
     for b in sorted(log.batches):
         for e in log.batches[b]:
             if e["gate"] != OVER_LIMIT:
                 (first if e["turn"] == 1 else followup).count(e["gate"])
             if e["turn"] == 1 and e["gate"] == "kept":
                 gates.keep(e["text"], e["domain"])
-                kept += 1
+            if e["id"] is not None:
+                done.add(e["id"])
+    kept = len(done)
     batch = max(log.batches, default=-1) + 1
-    max_batches = -(-cfg.max_attempts * limit // regen.batch_size)
+    seeds = _seeds(target, cfg.extend) if cfg.extend else None
+    max_batches = -(-(len(seeds) if seeds is not None else cfg.max_attempts * limit) // regen.batch_size)
 
     t0, written, ran, prompt_tokens, answer_tokens = time.perf_counter(), 0, 0, 0, 0
     bar = progress_bar(total=limit, initial=min(kept, limit), desc="synthesize", unit="conv", disable=not progress)
@@ -199,40 +238,43 @@ def synthesize(
             break
         generator = torch.Generator().manual_seed(batch_seed(regen.seed, batch))
         entries: list[dict] = []
-        # 1. the batch's slots: domain by round robin, topic drawn per slot
         slots = range(batch * regen.batch_size, (batch + 1) * regen.batch_size)
-        domains = [cfg.domains[s % len(cfg.domains)] for s in slots]
-        topics = [slot_topic(d, regen.seed, s) for d, s in zip(domains, slots)]
-        # 2. the target writes one user prompt per slot from the (steered) user header
-        contexts = [template.first_turn(d.steering(t)) for d, t in zip(domains, topics)]
-        rows = sample_batch(target, contexts, prompt_params, cfg.max_prompt_new_tokens, generator, stop_ids)
-        prompt_tokens += sum(map(len, rows))
-        # 3. the gates; a kept prompt joins the dedup index at once, so the rest of the batch is checked against it
-        convs: list[Conversation] = []
-        for s, d, t, row in zip(slots, domains, topics, rows):
-            text, n, finished = _prompt_text(target.tokenizer, row, stop_ids)
-            gate = gates.check(text, n, finished)
-            if gate == "kept" and kept + len(convs) >= limit:
-                gate = OVER_LIMIT
-            if gate == "kept":
-                gates.keep(text, d.name)
-                convs.append(Conversation(s, d.name, t, [{"role": "user", "content": text}]))
-            entries.append({"slot": s, "domain": d.name, "topic": t, "turn": 1, "text": text, "tokens": n,
-                            "gate": gate, "id": None})
-            if gate != OVER_LIMIT:
-                first.count(gate)
-        # 4. the target answers, turn by turn; after turn 1 it first writes the follow-up user turn
+        if seeds is not None:  # 1-3. --extend: the batch's records to continue
+            convs = [c for c in seeds[slots.start : slots.stop] if c is not None]
+        else:
+            # 1. the batch's slots: domain by round robin, topic drawn per slot
+            domains = [cfg.domains[s % len(cfg.domains)] for s in slots]
+            topics = [slot_topic(d, regen.seed, s) for d, s in zip(domains, slots)]
+            # 2. the target writes one user prompt per slot from the (steered) user header
+            contexts = [template.first_turn(d.steering(t)) for d, t in zip(domains, topics)]
+            rows = sample_batch(target, contexts, prompt_params, cfg.max_prompt_new_tokens, generator, stop_ids)
+            prompt_tokens += sum(map(len, rows))
+            # 3. the gates; a kept prompt joins the dedup index at once, so the rest of the batch is checked against it
+            convs: list[Conversation] = []
+            for s, d, t, row in zip(slots, domains, topics, rows):
+                text, n, finished = _prompt_text(target.tokenizer, row, stop_ids)
+                gate = gates.check(text, n, finished)
+                if gate == "kept" and kept + len(convs) >= limit:
+                    gate = OVER_LIMIT
+                if gate == "kept":
+                    gates.keep(text, d.name)
+                    convs.append(Conversation(s, d.name, t, [{"role": "user", "content": text}]))
+                entries.append({"slot": s, "domain": d.name, "topic": t, "turn": 1, "text": text, "tokens": n,
+                                "gate": gate, "id": None})
+                if gate != OVER_LIMIT:
+                    first.count(gate)
+        # 4. the target answers, turn by turn; after turn 1 (and at every turn of --extend) it first
+        #    writes the follow-up user turn
         for turn in range(1, regen.num_turns + 1):
-            if turn > 1:
-                followup_tokens = _write_followups(target, template, convs, cfg, regen, gates, prompt_params,
-                                                   generator, stop_ids, turn, entries, followup)
-                prompt_tokens += followup_tokens
+            if turn > 1 or seeds is not None:
+                prompt_tokens += _write_followups(target, template, convs, cfg, regen, gates, prompt_params,
+                                                  generator, stop_ids, entries, followup)
             pending = []  # (conversation, prompt ids ending in the assistant header)
             for c in convs:
                 if c.messages[-1]["role"] != "user":
                     continue
                 ids = tokenize_conversation(target.tokenizer, c.messages, c.answer_ids, generation_prompt=True).input_ids
-                if turn > 1 and not _fits(target, ids, regen):  # the follow-up cannot be answered: end before it
+                if c.user_turns > 1 and not _fits(target, ids, regen):  # the follow-up cannot be answered: end before it
                     c.messages.pop()
                     continue
                 pending.append((c, ids))
@@ -244,6 +286,7 @@ def synthesize(
                 c.open_last = not ans.finished
                 answer_tokens += ans.num_tokens
         # 5. the records (the regenerate contract), then the batch's log line: the log marks the batch done
+        convs = [c for c in convs if c.new_answers][: limit - kept]
         records = [_record(target.tokenizer, c, cfg.val_fraction) for c in convs]
         ids = {c.slot: r["id"] for c, r in zip(convs, records)}
         for e in entries:
@@ -264,7 +307,7 @@ def synthesize(
     return SynthSummary(written, kept, ran, prompt_tokens, answer_tokens, wall, regen_summary.tokens_per_s, first, followup)
 
 
-def _write_followups(target, template, convs, cfg, regen, gates, params, generator, stop_ids, turn, entries, counts) -> int:
+def _write_followups(target, template, convs, cfg, regen, gates, params, generator, stop_ids, entries, counts) -> int:
     """The target writes the next user turn of every conversation whose last answer finished and whose
     context leaves room; kept ones are appended, the others end their conversation. Returns tokens sampled."""
     live = [c for c in convs if not c.open_last and c.messages[-1]["role"] == "assistant"]
@@ -279,8 +322,8 @@ def _write_followups(target, template, convs, cfg, regen, gates, params, generat
         text, n, finished = _prompt_text(target.tokenizer, row, stop_ids)
         gate = gates.check(text, n, finished, first_turn=False)
         counts.count(gate)
-        entries.append({"slot": c.slot, "domain": c.domain, "topic": c.topic, "turn": turn, "text": text, "tokens": n,
-                        "gate": gate, "id": None})
+        entries.append({"slot": c.slot, "domain": c.domain, "topic": c.topic, "turn": c.user_turns + 1, "text": text,
+                        "tokens": n, "gate": gate, "id": None, **({"extends": c.origin} if c.origin else {})})
         if gate == "kept":
             c.messages.append({"role": "user", "content": text})
     return sum(map(len, rows))
@@ -295,10 +338,23 @@ def _prompt_text(tokenizer, row: list[int], stop_ids: set[int]) -> tuple[str, in
 
 def _record(tokenizer, c: Conversation, val_fraction: float) -> dict:
     """A conversation as a record: only the answers are supervised (loss_mask), never the prompts the
-    target wrote: a drafter drafts answers, and each answer appears in one record only."""
+    target wrote (a drafter drafts answers), and each answer in one record only: a continued record's
+    tokens were trained already, so its copy here keeps loss mask 0."""
     conv = tokenize_conversation(tokenizer, c.messages, c.answer_ids, open_last=c.open_last)
-    return {"id": c.id, "split": split_of(c.id, val_fraction), "source": f"synth-{c.domain}", "messages": c.messages,
-            "input_ids": conv.input_ids, "loss_mask": conv.loss_mask}
+    mask = conv.loss_mask
+    if c.copied:
+        if conv.input_ids[: len(c.copied)] != c.copied:
+            raise DataError("the chat template renders a continued conversation differently from its record")
+        mask = [0] * len(c.copied) + mask[len(c.copied) :]
+    split = c.split or split_of(c.id, val_fraction)
+    return {"id": c.id, "split": split, "source": f"synth-{c.domain}", "messages": c.messages,
+            "input_ids": conv.input_ids, "loss_mask": mask}
+
+
+def _seeds(target, data_dir: str) -> list[Conversation | None]:
+    """--extend: the records of data_dir in id order, each as a conversation to continue (None: it cannot be)."""
+    recs = sorted(iter_records(data_dir), key=lambda r: (r["id"], r["source"]))
+    return [continued(target.tokenizer, r, slot, target.eos_ids) for slot, r in enumerate(recs)]
 
 
 def _check_same_synthesis(out_dir: Path, cfg: SynthConfig) -> None:
