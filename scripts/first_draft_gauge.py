@@ -1,0 +1,90 @@
+"""How predictable the target is, and where a block drafter's first draft fails, on a validation split.
+
+For every supervised position t of the split's conversations (teacher forced, one block per position):
+the target's own top-1 probability max p_t, and whether draft 1 equals the target's greedy token
+argmax p_t (what greedy verification accepts) and the data's token x_{t+1}. Reports the share of
+positions with max p_t > 0.5 and > 0.8 and acc@1 in each confidence bin (JSON + Markdown).
+
+    python scripts/first_draft_gauge.py checkpoints/dspark --data data/regen --out gauge.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from selfdraft.checkpoint import load_module
+from selfdraft.methods.dflash.train import draft_losses, teacher_forced_blocks
+from selfdraft.target import Target
+from selfdraft.training.trainer import load_sequences, make_batch
+
+BINS = ((0.0, 0.5), (0.5, 0.8), (0.8, 1.01))
+
+
+@torch.no_grad()
+def gauge(ckpt: str, data: str, max_seq_len: int, batch_size: int, threads: int) -> dict:
+    torch.set_num_threads(threads)
+    target = Target.load(None, dtype="float32")
+    model, cfg = load_module(ckpt, target, dtype=torch.float32)
+    if cfg.method not in ("dflash", "dspark"):
+        raise SystemExit(f"error: {ckpt} is a {cfg.method} drafter; this gauge reads block drafters (dflash, dspark)")
+    cfg = replace(cfg, anchors_per_seq=100_000, dense_first=False)  # a block at every position, no extra queries
+    p_top, hit_greedy, hit_data = [], [], []
+    seqs = load_sequences(data, "val", max_seq_len)
+    for i in range(0, len(seqs), batch_size):
+        batch = make_batch(seqs[i : i + batch_size], target, cfg.feature_layers)
+        tf = teacher_forced_blocks(model, batch, target, cfg, torch.Generator().manual_seed(0))
+        first = torch.zeros_like(tf.valid)
+        first[..., 0] = True
+        tf.valid &= first  # draft 1 only: [B, A, γ]
+        bias = None
+        if getattr(model, "markov", None) is not None:
+            e = model.heads(tf.h, tf.prev).e  # [B, A, γ, r]
+            W2 = model.markov.W2.weight if model.draft_ids is None else model.markov.W2.weight[model.draft_ids]
+            bias = F.linear(e[tf.valid], W2).float()
+        d = draft_losses(model, target, batch, tf, bias, with_l1=False)
+        pred = d.pred  # [N] target ids (a draft vocabulary maps back)
+        logits = target.lm_head(tf.target_rows(batch.last_hidden)).float()  # [N, V] p_t for x_{t+1}
+        p = torch.softmax(logits, -1)
+        p_top.append(p.max(-1).values)
+        hit_greedy.append(pred == p.argmax(-1))
+        hit_data.append(pred == tf.gold[tf.valid])
+    p_top, hit_greedy, hit_data = torch.cat(p_top), torch.cat(hit_greedy).float(), torch.cat(hit_data).float()
+    out = {"checkpoint": ckpt, "data": data, "positions": int(p_top.numel()),
+           "share_p_gt_0.5": float((p_top > 0.5).float().mean()), "share_p_gt_0.8": float((p_top > 0.8).float().mean()),
+           "acc1_greedy": float(hit_greedy.mean()), "acc1_data": float(hit_data.mean()), "bins": []}
+    for lo, hi in BINS:
+        m = (p_top >= lo) & (p_top < hi)
+        out["bins"].append({"p_top": f"[{lo:g}, {min(hi, 1):g}]", "share": float(m.float().mean()),
+                            "acc1_greedy": float(hit_greedy[m].mean()) if m.any() else None,
+                            "acc1_data": float(hit_data[m].mean()) if m.any() else None})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("checkpoint")
+    ap.add_argument("--data", required=True, help="a regenerated dataset (selfdraft data regenerate) with a val split")
+    ap.add_argument("--out", required=True, help="JSON file (a .md table is written beside it)")
+    ap.add_argument("--max-seq-len", type=int, default=1024)
+    ap.add_argument("--batch-size", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args()
+    res = gauge(a.checkpoint, a.data, a.max_seq_len, a.batch_size, a.threads)
+    out = Path(a.out)
+    out.write_text(json.dumps(res, indent=1) + "\n")
+    rows = [f"| {b['p_top']} | {b['share']:.3f} | {b['acc1_greedy']:.3f} | {b['acc1_data']:.3f} |" for b in res["bins"]]
+    out.with_suffix(".md").write_text(
+        f"{res['positions']} val positions; max p_t > 0.5: {res['share_p_gt_0.5']:.3f}, > 0.8: {res['share_p_gt_0.8']:.3f}; "
+        f"acc@1 vs argmax p_t {res['acc1_greedy']:.3f}, vs the data {res['acc1_data']:.3f}\n\n"
+        "| max p_t | share | acc@1 (argmax p_t) | acc@1 (data) |\n|---|---:|---:|---:|\n" + "\n".join(rows) + "\n")
+    print(out.with_suffix(".md").read_text())
+
+
+if __name__ == "__main__":
+    main()
