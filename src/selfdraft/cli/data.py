@@ -198,7 +198,9 @@ def data_synthesize(
                   "val_fraction": val_fraction, "dtype": dtype, "threads": threads, "device": str(tgt.device)}
     # 3. write, gate, answer
     s = synthesize(tgt, out, limit, cfg, regen, PromptGates(gate_cfg, eval_index, dedup), provenance=provenance)
-    note(s.first.table("first turns") + ("\n" + s.followup.table("follow-up turns") if num_turns > 1 else ""))
+    tables = ([] if extend is not None else [s.first.table("first turns")]) + \
+        ([s.followup.table("follow-up turns")] if extend is not None or num_turns > 1 else [])
+    note("\n".join(tables))
     note(f"wrote {s.written} conversations ({s.kept} in the dataset), {s.prompt_tokens} prompt + {s.answer_tokens} "
          f"answer tokens in {s.wall_s:.0f}s = {s.tokens_per_s:.1f} tok/s -> {out}")
     totals = json.loads((out / "manifest.json").read_text())["totals"]

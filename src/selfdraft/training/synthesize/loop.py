@@ -297,7 +297,8 @@ def synthesize(
         written, kept, batch, ran = written + len(records), kept + len(records), batch + 1, ran + 1
         _note_progress(out_dir, manifest, written, prompt_tokens + answer_tokens, time.perf_counter() - t0)
         bar.update(len(records))
-        bar.set_postfix(kept=f"{first.kept}/{first.sampled}", tok_s=f"{(prompt_tokens + answer_tokens) / (time.perf_counter() - t0):.1f}")
+        gated = followup if seeds is not None else first
+        bar.set_postfix(kept=f"{gated.kept}/{gated.sampled}", tok_s=f"{(prompt_tokens + answer_tokens) / (time.perf_counter() - t0):.1f}")
     bar.close()
     wall = time.perf_counter() - t0
     tokens = prompt_tokens + answer_tokens
