@@ -27,7 +27,16 @@ from selfdraft.drafters.base import Drafter, Proposal
 from selfdraft.engine import drafter_factory
 from selfdraft.methods.eagle3.config import Eagle3Config
 from selfdraft.scheduler import Scheduler
-from selfdraft.serve import MAX_BODY_BYTES, EngineLoop, GracefulServer, RequestSpec, ServerMetrics, create_app
+from selfdraft.serve import (
+    MAX_BODY_BYTES,
+    ConnectionLimits,
+    EngineLoop,
+    GracefulServer,
+    RequestSpec,
+    ServerMetrics,
+    create_app,
+    server_config,
+)
 from selfdraft.serve.text import TextStream
 from selfdraft.target import Target
 from selfdraft.training.strategy import STRATEGIES
@@ -100,12 +109,16 @@ class Server:
 
 
 def start_server(target: Target, make_drafter, name: str, api_key: str | None = KEY, max_concurrency: int = 8,
-                 max_batch: int = 8, grace: float = 5.0, max_body_bytes: int = MAX_BODY_BYTES) -> Server:
-    runner = EngineLoop(target, make_drafter, name, Scheduler("fixed"), max_batch, max_concurrency, ServerMetrics(GAMMA))
-    app = create_app(runner, "tiny", api_key, gamma=GAMMA, shutdown_grace_s=grace, max_body_bytes=max_body_bytes)
+                 max_batch: int = 8, grace: float = 5.0, max_body_bytes: int = MAX_BODY_BYTES,
+                 limits: ConnectionLimits = ConnectionLimits(), body_timeout: float = 30.0, open_metrics: bool = False,
+                 kv_budget: int | None = None, faults: bool = False) -> Server:
+    runner = EngineLoop(target, make_drafter, name, Scheduler("fixed"), max_batch, max_concurrency, ServerMetrics(GAMMA),
+                        kv_budget=kv_budget, faults=faults)
+    app = create_app(runner, "tiny", api_key, gamma=GAMMA, shutdown_grace_s=grace, max_body_bytes=max_body_bytes,
+                     body_timeout_s=body_timeout, open_metrics=open_metrics)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = GracefulServer(uvicorn.Config(app, log_level="warning"), runner, grace)
+    server = GracefulServer(server_config(app, log_level="warning", limits=limits), runner, grace)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     for _ in range(500):

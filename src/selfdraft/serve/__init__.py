@@ -21,7 +21,7 @@ from selfdraft.serve.app import BODY_TIMEOUT_S, MAX_BODY_BYTES, create_app
 from selfdraft.serve.engine_loop import EngineLoop, RequestSpec
 from selfdraft.serve.metrics import ServerMetrics
 
-__all__ = ["BODY_TIMEOUT_S", "MAX_BODY_BYTES", "ConnectionLimits", "EngineLoop", "GracefulServer", "RequestSpec",
+__all__ = ["BODY_TIMEOUT_S", "MAX_BODY_BYTES", "ConnectionLimits", "EngineLoop", "GracefulServer", "RequestSpec", "server_config",
            "ServerMetrics", "create_app", "run_server"]
 
 FLUSH_S = 2.0  # after the grace period: time for the cancelled streams' last events to reach their clients

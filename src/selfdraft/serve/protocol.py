@@ -211,12 +211,12 @@ def build_spec(req: _Request, prompt_ids: list[int], target: Target, gamma: int,
     for key, value in (req.logit_bias or {}).items():
         # Length first: int() refuses strings over 4,300 digits (ValueError), and no id is that long.
         if (not (key.isascii() and key.isdigit()) or len(key.lstrip("0")) > len(str(target.vocab_size))
-                or int(key) >= target.vocab_size):
+                or int(key.lstrip("0") or "0") >= target.vocab_size):
             raise _bad(f"logit_bias keys must be token ids in [0, {target.vocab_size}), got {key!r}", "logit_bias")
         if not (math.isfinite(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
             raise _bad(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value}",
                        "logit_bias")
-        bias.append((int(key), value))
+        bias.append((int(key.lstrip("0") or "0"), value))
     if len({t for t, _ in bias}) != len(bias):
         raise _bad("logit_bias names a token id twice", "logit_bias")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
