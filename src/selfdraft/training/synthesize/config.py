@@ -37,9 +37,9 @@ class SynthConfig:
     """How prompts are written and gated (the answers: RegenConfig, as for `data regenerate`)."""
 
     domains: tuple[Domain, ...] = (DOMAINS["chat"],)
-    # Magpie samples prompts at T = 1, top-p = 1. On the embedded 135M target T = 1 (top-p 0.95) drifts off
-    # domain and into mixed scripts, and leaves 6 of 32 chat and math prompts unfinished at 96 tokens;
-    # 0.8 / 0.95 stays closer to the domain with none unfinished (code: 8 of 16 vs 6, docs/data.md).
+    # Magpie samples prompts at T = 1, top-p = 1. On the embedded 135M target T = 1 drifts off domain (at
+    # top-p 1 into mixed scripts too) and leaves 6 of 32 chat and math prompts unfinished at 96 tokens;
+    # 0.8 / 0.95 stays closer to the domain with none unfinished (code: 8 of 16 vs 6; docs/data.md).
     prompt_temperature: float = 0.8
     prompt_top_p: float = 0.95
     max_prompt_new_tokens: int = 128  # a prompt without end of turn by then is removed (gate `cut`)
