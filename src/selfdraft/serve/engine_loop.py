@@ -164,7 +164,7 @@ class _Live:
     tokens: int = 0  # completion tokens that count (up to the one completing a stop string)
     spec: SpecStats = field(default_factory=SpecStats)
     first_token_at: float | None = None
-    retries: int = 0  # engine restarts it was resumed after
+    retries: int = 0  # engine restarts it was resumed after without committing a token since
 
 
 class EngineLoop:
@@ -365,7 +365,8 @@ class EngineLoop:
         """A fresh Engine; each request in the old one rejoins it, resumed from the tokens it has
         already sent (their text is out: they become part of its prompt). After an out-of-memory the
         request with the longest context (the one the padded cache grows for) fails instead. A
-        request caught in a second failure fails too, so one that breaks the engine cannot loop."""
+        request caught in a second failure before it committed another token fails too, so one
+        that breaks the engine cannot loop."""
         old = self.engine
         self.restarts += 1
         self.last_error = type(e).__name__
@@ -481,6 +482,8 @@ class EngineLoop:
                 if live.text.stopped:
                     break
             live.tokens += len(ids)
+            if ids:
+                live.retries = 0  # it makes progress: a later failure is not its doing
             if live.text.stopped:
                 if not o.finished:
                     self.engine.cancel(o.request_id)  # free the slot before the next step
