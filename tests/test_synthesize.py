@@ -213,6 +213,10 @@ def tokenizer():
 
 @pytest.fixture
 def talker(tokenizer) -> Target:
+    return make_talker(tokenizer)
+
+
+def make_talker(tokenizer) -> Target:
     """A tiny random Llama with the real tokenizer and template, its head biased towards a few
     words and the end-of-turn token: it writes short word salads and ends its turns."""
     model = tiny_llama(vocab=len(tokenizer), hidden=16, layers=2, max_pos=1024)
@@ -377,3 +381,47 @@ def test_extend_trains_only_the_new_turns(tmp_path, talker, tokenizer):
         new_answer = [t for t, m in zip(r["input_ids"][n:], r["loss_mask"][n:]) if m]
         assert tokenizer.decode(new_answer, skip_special_tokens=True).strip() == r["messages"][-1]["content"].strip()
         assert r["split"] == old["split"] and r["source"] == "synth-extend" and len(r["messages"]) == len(old["messages"]) + 2
+
+
+KILLED_RUN = """
+import sys
+import torch
+torch.set_num_threads(1)  # as the tests run (conftest); more threads only spin on a tiny model
+from transformers import AutoTokenizer
+from tests.test_synthesize import make_talker, run
+run(make_talker(AutoTokenizer.from_pretrained(sys.argv[3])), sys.argv[1], limit=int(sys.argv[2]))
+"""
+
+
+@pytest.mark.slow
+@needs_tokenizer
+def test_kill_9_mid_synthesis_loses_nothing(tmp_path, talker):
+    """A real SIGKILL at an arbitrary point (once the log has two batches, likely mid-batch), then the
+    same command again: the dataset equals an uninterrupted run's, record for record."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root = Path(__file__).resolve().parents[1]
+    out, limit = tmp_path / "killed", 16
+    cmd = [sys.executable, "-c", KILLED_RUN, str(out), str(limit), str(EMBEDDED_DIR)]
+    proc = subprocess.Popen(cmd, cwd=root)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (out / LOG).exists() and (out / LOG).read_text().count("\n") >= 2:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed: raise the limit"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done_before = len(SynthesisLog(out).batches)
+    assert 2 <= done_before and len(load_records(out)) < limit
+    subprocess.run(cmd, cwd=root, check=True)
+    run(talker, tmp_path / "ref", limit=limit)
+    by_id = lambda recs: sorted(recs, key=lambda r: r["id"])  # noqa: E731
+    assert by_id(load_records(out)) == by_id(load_records(tmp_path / "ref"))
+    assert SynthesisLog(out).batches == SynthesisLog(tmp_path / "ref").batches
+    runs = json.loads((out / "manifest.json").read_text())["runs"]
+    assert [r["status"] for r in runs] == ["killed", "finished"]
