@@ -1,5 +1,5 @@
 """Synthesized training data: the target writes its own user prompts (and follow-up turns), gated,
-then answers them (docs/data.md#synthesized-prompts).
+then answers them (docs/data.md#synthesized-prompts-data-with-no-dataset).
 
 An instruction-tuned model continues its chat template's user header with a realistic user request
 (Magpie, arXiv 2406.08464). For a drafter that is ideal data: prompt and answer are both the

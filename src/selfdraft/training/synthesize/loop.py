@@ -8,6 +8,9 @@ contract of training/records.py, the same as `data regenerate`), then one line p
 that log (gate counts, and the kept prompts into the dedup index, in order) and continues at the
 first batch it lacks; records a killed batch already wrote are skipped by id, so nothing is lost
 or duplicated.
+
+With --extend the slots are the records of a dataset (in id order) instead of new prompts: the
+target writes their next user turns and answers them, and the copied turns keep loss mask 0.
 """
 
 from __future__ import annotations
