@@ -17,6 +17,7 @@ import os
 import shutil
 import socket
 import subprocess
+import time
 import sys
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -68,6 +69,8 @@ def _writer_alive(tmp: Path) -> bool:
         if host != socket.gethostname():
             return True  # another machine's process (shared disk): not ours to judge
         os.kill(int(pid), 0)
+    except PermissionError:  # the process exists, owned by another user: alive
+        return True
     except (OSError, ValueError):  # no/odd owner file, or no such process
         return False
     return True
@@ -82,14 +85,24 @@ def recover_interrupted_save(final: str | Path) -> None:
     """
     final = Path(final).resolve()
     tmp, old = _siblings(final)
-    if tmp.exists() and not _writer_alive(tmp):
+    if tmp.exists():
+        if _writer_alive(tmp):  # a save in progress: its steps 3-5 are its own, a reader must not undo them
+            _wait_for_commit(final, old)
+            return
         shutil.rmtree(tmp, ignore_errors=True)
         _owner(tmp).unlink(missing_ok=True)
     if old.exists():
         if final.exists():
-            shutil.rmtree(old)
+            shutil.rmtree(old, ignore_errors=True)  # its writer may be deleting it at the same moment
         else:
             os.replace(old, final)
+
+
+def _wait_for_commit(final: Path, old: Path, timeout_s: float = 10.0) -> None:
+    """A live writer between its steps 3 and 4 (`final` moved aside): wait for its rename."""
+    deadline = time.monotonic() + timeout_s
+    while old.exists() and not final.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _fsync(path: Path) -> None:
@@ -133,8 +146,7 @@ def atomic_dir(final: str | Path) -> Iterator[Path]:
     os.replace(tmp, final)  # 4.
     _owner(tmp).unlink(missing_ok=True)
     _fsync(final.parent)  # make both renames durable
-    if old.exists():
-        shutil.rmtree(old)  # 5.
+    shutil.rmtree(old, ignore_errors=True)  # 5. (a reader may have removed it already)
 
 
 # ------------------------------------------------------------------ save

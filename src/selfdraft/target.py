@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -199,7 +200,14 @@ class Target:
             )
         except (ValueError, KeyError, OSError) as e:
             raise TargetError(f"cannot load {path} as a causal language model: {e}") from e
-        tok = AutoTokenizer.from_pretrained(path) if _has_tokenizer(path) else None
+        except SafetensorError as e:  # a truncated or damaged download
+            raise TargetError(f"cannot read the weights in {path} (a truncated or damaged .safetensors file: "
+                              f"download or convert it again): {e}") from e
+        try:
+            tok = AutoTokenizer.from_pretrained(path) if _has_tokenizer(path) else None
+        except Exception as e:  # noqa: BLE001  (the tokenizers library raises a bare Exception for a bad file)
+            raise TargetError(f"cannot load the tokenizer in {path} (is tokenizer.json or tokenizer_config.json "
+                              f"damaged?): {e}") from e
         model.to(device)
         if weights == "auto" and backend != "hf":  # an explicit --dtype keeps its old meaning: dense weights in it
             weights = {"float32": "fp32", "bfloat16": "bf16"}[dtype]

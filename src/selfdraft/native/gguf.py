@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from selfdraft.durable import replace_durably
 from selfdraft.native.quant import Int4Weights
 
 # GGUF tensor name (per block) -> HF linear name, for the Llama-layout GGUF architectures
@@ -74,7 +75,7 @@ def exact_int4_weights(path: str | Path, state: dict[str, torch.Tensor], num_hea
 
         tmp = cache.with_suffix(f".partial-{os.getpid()}")  # private: processes reading one GGUF at once
         save_file(_pack(out), str(tmp), metadata={"source": stamp})
-        tmp.replace(cache)
+        replace_durably(tmp, cache)
     return out
 
 

@@ -9,6 +9,7 @@ it into a temporary directory and swaps it in, so a kill -9 at any moment leaves
 from __future__ import annotations
 
 import json
+import pickle
 import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -208,7 +209,11 @@ def check_resumable(out_dir: Path, target: Target, cfg: DrafterConfig, train_cfg
         diff = {k: (v, getattr(cfg, k)) for k, v in asdict(saved).items() if v != getattr(cfg, k)}
         raise ConfigError(f"{out_dir} was trained with another drafter config (saved, now): {diff}; use the same settings, or --no-resume")
     # map_location: a GPU run's optimizer state loads anywhere (the optimizer moves it to its parameters' device)
-    state = torch.load(out_dir / STATE_FILE, weights_only=True, map_location="cpu")
+    try:
+        state = torch.load(out_dir / STATE_FILE, weights_only=True, map_location="cpu")
+    except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:  # a truncated or damaged file
+        raise ConfigError(f"{out_dir / STATE_FILE} is damaged and cannot be read ({str(e).splitlines()[0]}); "
+                          "pass --no-resume to train afresh") from e
     diff = {k: (state["train"][k], getattr(train_cfg, k)) for k in TRAJECTORY_KEYS if state["train"][k] != getattr(train_cfg, k)}
     if diff:
         raise ConfigError(f"resuming {out_dir} with other training settings (saved, now): {diff}; use the saved ones, or --no-resume")

@@ -27,6 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from selfdraft.config import ConfigError
+from selfdraft.durable import replace_durably, write_text_durably
 from selfdraft.training.records import DataError, iter_records
 
 BYTES_PER_VALUE = 2  # bf16
@@ -134,8 +135,13 @@ def write_feature_cache(
     bar.close()
     index = {**header, "records": sum(len(s["records"]) for s in shards),
              "tokens": sum(r["length"] for s in shards for r in s["records"]), "shards": shards}
-    (out_dir / "index.json").write_text(json.dumps(index, indent=1) + "\n")
+    write_index(out_dir, index)
     return index
+
+
+def write_index(out_dir: Path, index: dict) -> None:
+    """index.json replaced whole (never rewritten in place: a crash mid-write would leave a torn index)."""
+    write_text_durably(out_dir / "index.json", json.dumps(index, indent=1) + "\n")
 
 
 def _write_shard(out_dir: Path, number: int, buffer: list[dict], header: dict) -> dict:
@@ -154,7 +160,7 @@ def _write_shard(out_dir: Path, number: int, buffer: list[dict], header: dict) -
     }
     tmp = out_dir / (name + ".partial")
     save_file(tensors, str(tmp), metadata={"header": json.dumps(header), "records": json.dumps(entries)})
-    tmp.replace(out_dir / name)
+    replace_durably(tmp, out_dir / name)
     return {"file": name, "records": entries}
 
 

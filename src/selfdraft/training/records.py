@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Iterator
 
 from selfdraft.config import ConfigError
+from selfdraft.durable import write_text_durably
 from selfdraft.errors import SelfdraftError
 
 SPLITS = ("train", "val")
@@ -224,6 +225,5 @@ def dataset_totals(data_dir: Path, eos_ids: set[int]) -> dict:
 
 
 def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
-    tmp.replace(path)
+    """Replace a manifest so that a crash leaves the old one or the new one, never a torn file."""
+    write_text_durably(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")

@@ -228,7 +228,10 @@ def _open_manifest(out_dir: Path, target, cfg: RegenConfig, provenance: dict) ->
     path = out_dir / "manifest.json"
     ident = target.identity()
     if path.exists():
-        manifest = json.loads(path.read_text())
+        try:
+            manifest = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path} is damaged ({e}); restore it, or regenerate into a new directory") from e
         if manifest["target"]["fingerprint"] != ident["fingerprint"] or manifest["sampling"] != cfg.sampling():
             raise DataError(
                 f"{out_dir} was regenerated with another target or sampling ({manifest['sampling']}); "
