@@ -205,7 +205,9 @@ def data_synthesize(
          f"answer tokens in {s.wall_s:.0f}s = {s.tokens_per_s:.1f} tok/s -> {out}")
     totals = json.loads((out / "manifest.json").read_text())["totals"]
     note(f"dataset: {totals['train']['records']} train + {totals['val']['records']} val conversations")
-    if s.kept < limit:
+    if s.kept < limit and extend is not None:
+        warn(f"{extend} had {s.kept} conversations to continue that passed the gates, of the {limit} asked for")
+    elif s.kept < limit:
         warn(f"the gates kept {s.kept} of the {limit} conversations asked for within {cfg.max_attempts} prompts per "
              f"conversation; see the counts above (--near-dup, --language, --max-prompt-new-tokens)")
     if totals["train"]["records"] + totals["val"]["records"] and not totals["val"]["records"]:
@@ -228,7 +230,8 @@ def data_overlap(
     from selfdraft.training.synthesize.references import excluded_prompts
 
     reference = NearDupIndex([t for spec in against for t in excluded_prompts(spec)], near_dup)
-    groups = {"records": [r["messages"][0]["content"] for r in iter_records(data)]}
+    groups = {"records": [next(m["content"] for m in r["messages"] if m["role"] == "user") for r in iter_records(data)
+                          if any(m["role"] == "user" for m in r["messages"])]}
     log = SynthesisLog(data)
     if log.batches:
         groups["sampled_passing_quality_gates"] = [
