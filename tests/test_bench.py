@@ -24,6 +24,7 @@ from selfdraft.bench import (
 from selfdraft.bench.datasets import bundled_dir
 from selfdraft.config import ConfigError
 from selfdraft.decode import GenerationResult, RoundStats
+from tests.helpers import FAKE_LLAMA_SERVER  # noqa: F401
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -219,39 +220,6 @@ def test_cli_bench_refuses_unknown_dataset(tmp_path):
 
     res = CliRunner().invoke(app, ["bench", "--datasets", "nope", "--out", str(tmp_path)])
     assert res.exit_code == 2 and "unknown dataset 'nope'" in res.output and "gsm8k" in res.output
-
-
-FAKE_LLAMA_SERVER = '''#!{python}
-"""A stand-in for llama-server: /health, and /completion answering n_predict tokens 0, 1, 2, .."""
-import json, os, sys
-from http.server import BaseHTTPRequestHandler, HTTPServer
-
-argv = sys.argv[1:]
-with open(os.environ["FAKE_LLAMA_LOG"], "a") as f:
-    f.write(json.dumps({{"pid": os.getpid(), "argv": argv}}) + "\\n")
-
-
-class H(BaseHTTPRequestHandler):
-    def log_message(self, *a):
-        pass
-
-    def _send(self, obj):
-        body = json.dumps(obj).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_GET(self):
-        self._send({{"status": "ok"}})
-
-    def do_POST(self):
-        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        self._send({{"tokens": list(range(req["n_predict"])), "stop_type": "limit", "timings": {{}}}})
-
-
-HTTPServer(("127.0.0.1", int(argv[argv.index("--port") + 1])), H).serve_forever()
-'''
 
 
 def test_llamacpp_peers_run_beside_ours_and_are_stopped(tiny_target, tmp_path, monkeypatch, capsys):

@@ -21,7 +21,7 @@ from selfdraft.training.calibrate import (
     sequential_temperature_scaling,
 )
 from selfdraft.training.strategy import STRATEGIES
-from tests.conftest import tiny_llama
+from tests.helpers import tiny_llama
 
 
 def test_ece_and_auc_match_direct_definitions():

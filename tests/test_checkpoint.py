@@ -14,7 +14,7 @@ from selfdraft.config import ConfigError, DrafterConfig, SamplingParams, from_di
 from selfdraft.loader import load_drafter
 from selfdraft.target import Target
 from selfdraft.training.strategy import STRATEGIES
-from tests.conftest import tiny_llama
+from tests.helpers import tiny_llama
 from tests.toy_training import TOY, ToyConfig, single_thread, toy_method  # noqa: F401  (fixtures)
 
 CFG = ToyConfig(feature_layers=(1, 2))

@@ -20,7 +20,7 @@ from selfdraft.decode import generate
 from selfdraft import methods
 from selfdraft.target import Target, TargetError
 from selfdraft.tree import tree_inputs
-from tests.test_native import assert_steps_close, build
+from tests.helpers import assert_steps_close, build
 
 slow = pytest.mark.slow  # torch.compile: 10-40 s per block length on a tiny model, a loaded CPU
 

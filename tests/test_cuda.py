@@ -28,8 +28,8 @@ from selfdraft.decode import generate
 from selfdraft.engine import Engine
 from selfdraft.target import Target
 from selfdraft.training.strategy import STRATEGIES
-from tests.conftest import tiny_llama
-from tests.test_decode import ModelDrafter
+from tests.helpers import tiny_llama
+from tests.helpers import ModelDrafter
 
 DEVICE = torch.device(os.environ.get("SELFDRAFT_TEST_DEVICE", "cuda"))
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -107,7 +107,7 @@ def test_native_matches_hf_on_the_device(model):
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_quantized_kernels_on_the_device(weights):
     """The int8 / int4 kernels of the device (bf16) reproduce their dequantised weights."""
-    from tests.test_native import _dequantized_hf, build
+    from tests.helpers import _dequantized_hf, build
 
     model = build("llama").to(DEVICE, torch.bfloat16)
     nat = Target(model, backend="native", weights=weights)
@@ -165,7 +165,7 @@ def test_sampling_follows_p_chi_square():
     """Rejection sampling on the device follows the target's law (enumerated on the CPU copy)."""
     from scipy.stats import chisquare
 
-    from tests.test_decode import N_NEW, V_SMALL, _sequence_law
+    from tests.helpers import N_NEW, V_SMALL, _sequence_law
 
     cpu = Target(tiny_llama(vocab=V_SMALL, hidden=16, layers=2, seed=1, peaked=1.0))
     params, prompt, n = SamplingParams(temperature=1.0), [1, 3, 2], 1000
@@ -291,7 +291,7 @@ def test_compiled_cuda_graph_steps_are_exact_and_keep_their_cache(model):
 # ----------------------------------------------------------------------------- training
 @pytest.fixture(scope="module")
 def train_setup(tmp_path_factory):
-    from tests.test_distributed import write_equal_length_dataset
+    from tests.helpers import write_equal_length_dataset
 
     root = tmp_path_factory.mktemp("train")
     tiny_llama(peaked=3.0).save_pretrained(root / "target")
@@ -334,7 +334,7 @@ def _cli(*args: str, nproc: int = 0) -> subprocess.CompletedProcess:
 
 
 def test_cli_train_takes_the_device(train_setup):
-    from tests.test_distributed import cli_args
+    from tests.helpers import cli_args
 
     root, target_dir, data = train_setup
     out = root / "cli"
@@ -349,7 +349,7 @@ def test_two_ranks_on_two_gpus_match_one(train_setup, fsdp):
     1-process trajectory (test_distributed's setup: equal-length sequences, MTP's deterministic loss)."""
     from safetensors.torch import load_file
 
-    from tests.test_distributed import STEPS, cli_args
+    from tests.helpers import STEPS, cli_args
 
     root, target_dir, data = train_setup
     single, multi = root / f"single-{fsdp}", root / f"multi-{fsdp}"

@@ -23,7 +23,7 @@ from selfdraft.training.features import (
     estimate_bytes,
     write_feature_cache,
 )
-from tests.conftest import needs_embedded, tiny_llama
+from tests.helpers import needs_embedded, tiny_llama
 
 needs_tokenizer = needs_embedded  # the embedded target's tokenizer and chat template
 

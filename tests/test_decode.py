@@ -18,31 +18,7 @@ from selfdraft.methods.ngram.drafter import NgramDrafter
 from selfdraft.methods.none.drafter import NoDrafter
 from selfdraft.sampling import probs_from_logits, process_logits, sample
 from selfdraft.target import Target
-from tests.conftest import tiny_llama
-from tests.test_verify import _broken_chain
-
-
-class ModelDrafter(Drafter):
-    """Classic two-model speculative sampling: a second tiny LM samples γ drafts from its own q.
-    Its q differs from p, so rejections and residual resampling happen often. Inputs go to the model's
-    device (tests/test_cuda.py runs it on the GPU)."""
-
-    name = "tiny-model"
-
-    def __init__(self, model) -> None:
-        self.model = model
-
-    @torch.inference_mode()
-    def propose(self, tokens, gamma, params, generator):
-        seq, drafts, qs = list(tokens), [], []
-        for _ in range(gamma):
-            logits = self.model(torch.tensor([seq], device=self.model.device)).logits[0, -1:]  # [1, V]
-            q = probs_from_logits(process_logits(logits, params, [self.generated(seq)])[0], params)  # [V]
-            x = int(q.argmax()) if params.greedy else int(sample(q, generator))
-            drafts.append(x), qs.append(q), seq.append(x)
-        if not drafts:
-            return Proposal.empty()
-        return Proposal(torch.tensor(drafts), torch.stack(qs))
+from tests.helpers import ModelDrafter, N_NEW, V_SMALL, _broken_chain, _sequence_law, _spec_pvalue, tiny_llama  # noqa: F401
 
 
 def _drafters(target: Target) -> dict[str, Drafter]:
@@ -75,39 +51,6 @@ def test_eos_and_max_tokens_are_respected(tiny_target):
         res = generate(tiny_target, drafter, prompt, config=GenerationConfig(max_new_tokens=12, gamma=4))
         assert res.token_ids == plain.token_ids[: plain.token_ids.index(eos) + 1]
         assert res.finish_reason == "eos"
-
-
-V_SMALL, N_NEW = 5, 3
-
-
-def _sequence_law(target: Target, prompt: list[int], params: SamplingParams) -> dict[tuple, float]:
-    """Enumerate P(y_1..y_N | prompt) = Π p(y_i | prompt, y_<i) with the target alone. Penalties and
-    logit_bias are applied here from their definition, position by position (y_<i generated so far)."""
-    law = {}
-    for ys in itertools.product(range(V_SMALL), repeat=N_NEW):
-        logits = target.model(torch.tensor([prompt + list(ys)])).logits[0, len(prompt) - 1 : -1]  # [N, V]
-        for i in range(N_NEW):
-            for j in range(V_SMALL):
-                c = ys[:i].count(j)
-                logits[i, j] += dict(params.logit_bias).get(j, 0.0) - params.frequency_penalty * c - (
-                    params.presence_penalty if c else 0.0)
-        p = probs_from_logits(logits, params)
-        law[ys] = float(torch.prod(p[torch.arange(N_NEW), torch.tensor(ys)]))
-    return law
-
-
-def _spec_pvalue(target, drafter, params, n_samples=2000, scheduler=None) -> float:
-    prompt = [1, 3, 2]
-    law = _sequence_law(target, prompt, params)
-    counts = dict.fromkeys(law, 0)
-    cfg = GenerationConfig(max_new_tokens=N_NEW, gamma=4, stop_on_eos=False)
-    for s in range(n_samples):
-        res = generate(target, drafter, prompt, dataclasses.replace(params, seed=s), cfg, scheduler=scheduler)
-        counts[tuple(res.token_ids)] += 1
-    keys = [k for k in law if law[k] > 0]
-    assert sum(counts[k] for k in law if law[k] == 0) == 0  # never emits a token the target forbids
-    exp = torch.tensor([law[k] for k in keys], dtype=torch.float64)
-    return float(chisquare([counts[k] for k in keys], (exp / exp.sum() * n_samples).numpy()).pvalue)
 
 
 @pytest.fixture(scope="module")

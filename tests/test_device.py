@@ -35,7 +35,7 @@ from selfdraft.config import GenerationConfig, SamplingParams
 from selfdraft.decode import generate
 from selfdraft.target import Target
 from selfdraft.training.strategy import STRATEGIES
-from tests.conftest import tiny_llama
+from tests.helpers import tiny_llama
 
 META = torch.device("meta")
 V, H, LAYERS, FEATS = 96, 48, 5, (1, 2, 3)

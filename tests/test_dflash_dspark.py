@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from tests.conftest import tiny_llama
+from tests.helpers import tiny_llama
 
 from selfdraft import methods
 from selfdraft.config import ConfigError, GenerationConfig, SamplingParams

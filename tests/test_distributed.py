@@ -24,24 +24,9 @@ from selfdraft.methods import drafter_config
 from selfdraft.target import Target
 from selfdraft.training.checkpointing import STATE_FILE
 from selfdraft.training.trainer import train
-from tests.conftest import tiny_llama
+from tests.helpers import DRAFTER, STEPS, TOL, TRAIN, cli_args, tiny_llama, write_equal_length_dataset  # noqa: F401
 
-STEPS, TOL = 6, 1e-5
 SRC = str(Path(selfdraft.__file__).resolve().parents[1])
-
-
-def write_equal_length_dataset(data_dir: Path, n_train: int = 16, n_val: int = 2, length: int = 20, vocab: int = 96) -> Path:
-    g = torch.Generator().manual_seed(0)
-    data_dir.mkdir(parents=True, exist_ok=True)
-    lines = []
-    for i in range(n_train + n_val):
-        start, step = int(torch.randint(vocab, (1,), generator=g)), int(torch.randint(1, 5, (1,), generator=g))
-        ids = [(start + step * t) % vocab for t in range(length)]
-        lines.append(json.dumps({"id": f"r{i}", "split": "train" if i < n_train else "val", "source": "toy",
-                                 "messages": [{"role": "user", "content": "count"}], "input_ids": ids,
-                                 "loss_mask": [0] * 4 + [1] * (length - 4)}))  # fmt: skip
-    (data_dir / "shard-00000.jsonl").write_text("\n".join(lines) + "\n")
-    return data_dir
 
 
 @pytest.fixture(scope="module")
@@ -49,21 +34,6 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
     tiny_llama(peaked=3.0).save_pretrained(root / "target")
     return root, root / "target", write_equal_length_dataset(root / "data")
-
-
-TRAIN = dict(steps=STEPS, batch_size=4, max_seq_len=32, lr=5e-3, warmup_steps=1, min_lr_ratio=1.0, val_every=0,
-             val_batches=1, save_every=3, seed=0, bf16=False)  # constant lr after warmup: --steps may grow on resume  # fmt: skip
-DRAFTER = dict(method="mtp", gamma=3)
-
-
-def cli_args(target_dir, data, out, **train) -> list[str]:
-    t = {**TRAIN, **train}
-    return ["train", "--out", str(out), "--target", str(target_dir), "--dtype", "float32", "--data", str(data),
-            "--method", DRAFTER["method"], "--gamma", str(DRAFTER["gamma"]), "--steps", str(t["steps"]),
-            "--batch-size", str(t["batch_size"]), "--max-seq-len", str(t["max_seq_len"]), "--lr", str(t["lr"]),
-            "--warmup-steps", str(t["warmup_steps"]), "--min-lr-ratio", str(t["min_lr_ratio"]), "--val-every", "0",
-            "--val-batches", "1", "--save-every", str(t["save_every"]), "--seed", "0", "--no-bf16", "--threads", "1",
-            *(["--fsdp"] if t.get("fsdp") else [])]  # fmt: skip
 
 
 def torchrun(nproc: int, args: list[str]) -> subprocess.CompletedProcess:

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from tests.conftest import tiny_llama
+from tests.helpers import tiny_llama
 
 from selfdraft import methods
 from selfdraft.config import GenerationConfig, SamplingParams

@@ -12,16 +12,9 @@ from selfdraft.cli import app
 from selfdraft.config import GenerationConfig, SamplingParams
 from selfdraft.decode import generate
 from selfdraft.loader import load_drafter
+from tests.helpers import EMBEDDED_PROMPTS as PROMPTS
 
 pytestmark = pytest.mark.slow
-
-PROMPTS = [
-    "Write a Python function that checks whether a string is a palindrome.",
-    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-    "How many clips did Natalia sell altogether in April and May? Reason step by step.",
-    "Repeat this sentence twice: the quick brown fox jumps over the lazy dog.",
-]
-
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_embedded_greedy_equals_hf_generate(embedded_fp32, prompt):

@@ -20,8 +20,8 @@ from selfdraft.scheduler import CostTable, Scheduler
 from selfdraft.target import Target
 from selfdraft.training.calibrate import collect_rounds
 from selfdraft.training.strategy import STRATEGIES
-from tests.conftest import tiny_llama
-from tests.test_tree import ArgmaxTreeDrafter
+from tests.helpers import tiny_llama
+from tests.helpers import ArgmaxTreeDrafter
 
 FEATS = (1, 2)
 

@@ -16,7 +16,7 @@ from selfdraft.loader import load_drafter
 from selfdraft.methods.dflash.config import DFlashConfig
 from selfdraft.methods.none.drafter import NoDrafter
 from selfdraft.target import Target, TargetError
-from tests.conftest import tiny_llama
+from tests.helpers import tiny_llama
 
 
 def test_missing_target_path(tmp_path):

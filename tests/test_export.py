@@ -24,60 +24,11 @@ from selfdraft.methods import drafter_config
 from selfdraft.target import Target, TargetStep
 from selfdraft.training.strategy import STRATEGIES
 from selfdraft.vocab import DraftVocab
-from tests.conftest import tiny_llama
-
-V = 96  # tiny_llama's vocabulary
-CONFIGS = {  # every exported method in vLLM's layout; small but with every head switched on
-    "eagle3": dict(method="eagle3", gamma=4, draft_vocab_size=64, feature_layers=(0, 1, 2)),  # vLLM's Llama EAGLE-3 fuses 3
-    "eagle3-full": dict(method="eagle3", gamma=3, draft_vocab_size=0, feature_layers=(0, 1, 2)),
-    "dflash": dict(method="dflash", gamma=4, num_layers=2, anchor_as_first=False, qk_norm=True, mask_token_id=V - 1),
-    "dspark": dict(method="dspark", gamma=4, markov_rank=8, markov_head="rnn", qk_norm=True, mask_token_id=7),
-    "dspark-gated": dict(method="dspark", gamma=4, markov_rank=8, markov_head="gated", qk_norm=True, mask_token_id=V - 1),
-    "dspark-vanilla": dict(method="dspark", gamma=3, markov_rank=8, qk_norm=True, mask_token_id=0),
-    "mtp": dict(method="mtp", gamma=3, qk_norm=True, mtp_normed_handoff=True),
-    # stored in bf16 like the shipped drafters, for a float32 target whose LM-head rows bf16 would round
-    "dspark-bf16": dict(method="dspark", gamma=3, markov_rank=8, qk_norm=True, mask_token_id=3),
-}
-DRAFT_VOCAB = {"dspark": 40, "dflash": 50, "dspark-bf16": 30}  # checkpoints with an inference draft vocabulary of this size
-
+from tests.helpers import CONFIGS, DRAFT_VOCAB, V, _randomise, make_checkpoint, tiny_llama  # noqa: F401
 
 @pytest.fixture(scope="module")
 def target() -> Target:
     return Target(tiny_llama(peaked=3.0))
-
-
-def _randomise(model: torch.nn.Module, seed: int) -> None:
-    """Random weights everywhere (DSpark's W2 starts at zero, norms at one): the round trip must move them all."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 0.1) + (1.0 if "norm" in name else 0.0))
-        if hasattr(model, "d2t"):  # a draft vocabulary that is not a prefix of the target's
-            ids = torch.randperm(model.t2d.numel(), generator=g)[: model.d2t.numel()].sort().values
-            model.d2t.copy_(ids - torch.arange(ids.numel()))
-            model.t2d.zero_()
-            model.t2d[ids] = True
-        if hasattr(model, "conf_temperature"):
-            model.conf_temperature.copy_(torch.linspace(0.8, 1.6, model.conf_temperature.numel()))
-
-
-def make_checkpoint(target: Target, name: str, dir, config: dict | None = None) -> str:
-    cfg = drafter_config(config or CONFIGS[name])
-    strategy = STRATEGIES[cfg.method]
-    if not cfg.feature_layers:
-        cfg.feature_layers = cfg.default_feature_layers(target)
-    model = strategy.build(cfg, target).float()
-    _randomise(model, seed=len(name))
-    if name.endswith("-bf16"):
-        model = model.to(torch.bfloat16)
-    with atomic_dir(dir) as tmp:  # (save_checkpoint refuses MTP's empty feature_layers; the trainer writes it this way)
-        write_checkpoint_files(tmp, model, cfg, target, {"test": name})
-        if name in DRAFT_VOCAB:  # a draft vocabulary that is not a prefix of the target's
-            ids = torch.randperm(V, generator=torch.Generator().manual_seed(5))[: DRAFT_VOCAB[name]].sort().values
-            DraftVocab(ids - torch.arange(ids.numel()), torch.zeros(V, dtype=torch.bool).index_fill_(0, ids, True)).save(
-                tmp / DRAFT_VOCAB_FILE
-            )
-    return str(dir)
 
 
 def _prefill(target: Target, drafter, prompt: list[int]) -> int:

@@ -22,8 +22,8 @@ from selfdraft.config import ConfigError  # noqa: E402
 from selfdraft.llamacpp.export import export_gguf  # noqa: E402
 from selfdraft.llamacpp.settings import LlamaCppCosts, expected, recommend  # noqa: E402
 from selfdraft.target import Target  # noqa: E402
-from tests.conftest import tiny_llama  # noqa: E402
-from tests.test_export import CONFIGS, V, make_checkpoint  # noqa: E402
+from tests.helpers import tiny_llama  # noqa: E402
+from tests.helpers import CONFIGS, V, make_checkpoint  # noqa: E402
 
 FAMILIES = {  # what llama.cpp runs: a vanilla Markov head, DFlash's anchor + masks, a Llama EAGLE-3 layer
     "dspark-vanilla": "dflash",
@@ -286,7 +286,7 @@ def test_bench_runs_our_drafter_in_llama_cpp_against_a_stand_in_server(target, t
 
     from selfdraft.bench.datasets import PromptSet
     from selfdraft.bench.harness import BenchConfig, run_bench
-    from tests.test_bench import FAKE_LLAMA_SERVER
+    from tests.helpers import FAKE_LLAMA_SERVER
 
     src = make_checkpoint(target, "dflash", tmp_path / "ck")
     fake, log = tmp_path / "llama-server", tmp_path / "argv.jsonl"

@@ -33,46 +33,7 @@ from selfdraft.native import NativeCache
 from selfdraft.native.quant import Fp16Linear
 from selfdraft.target import Target, TargetError
 from selfdraft.tree import tree_inputs
-from tests.conftest import tiny_llama
-
-COMMON = dict(vocab_size=96, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-              intermediate_size=96, max_position_embeddings=256, tie_word_embeddings=False,
-              eos_token_id=None, bos_token_id=None, pad_token_id=None)
-ROPE = dict(rope_theta=10000.0)
-ARCHS = {
-    "llama": lambda: LlamaForCausalLM(LlamaConfig(**COMMON, attention_bias=True, mlp_bias=True)),
-    "llama-rope-llama3": lambda: LlamaForCausalLM(LlamaConfig(**COMMON, rope_parameters={
-        "rope_type": "llama3", **ROPE, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 16})),
-    "llama-rope-linear": lambda: LlamaForCausalLM(LlamaConfig(**COMMON, rope_parameters={"rope_type": "linear", **ROPE, "factor": 2.0})),
-    "mistral-window-6": lambda: MistralForCausalLM(MistralConfig(**COMMON, sliding_window=6)),
-    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**COMMON)),
-    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**COMMON, head_dim=32)),
-}
-
-
-def build(arch: str, seed: int = 0):
-    """A random model with every norm weight and bias perturbed (defaults of 1 and 0 would hide
-    a missing or misplaced norm/bias) and a peaked output layer (greedy far from ties)."""
-    torch.manual_seed(seed)
-    model = ARCHS[arch]().float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.2)
-        model.lm_head.weight.normal_(0.0, 3.0 / COMMON["hidden_size"] ** 0.5)
-    return model
-
-
-def assert_steps_close(a, b, atol=1e-4):
-    assert (a.logits - b.logits).abs().max() <= atol
-    assert (a.last_hidden - b.last_hidden).abs().max() <= atol
-    assert (a.features is None) == (b.features is None)
-    if a.features is not None:
-        assert (a.features - b.features).abs().max() <= atol
-
+from tests.helpers import ARCHS, COMMON, ROPE, _dequantized_hf, assert_steps_close, build, tiny_llama  # noqa: F401
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_native_matches_hf_prefill_decode_verify(arch):
@@ -214,23 +175,6 @@ def test_batched_engine_on_native(kind, sched):
 
 
 # ----------------------------------------------------------------------------- quantised weights
-def _dequantized_hf(model, nat: Target):
-    """A copy of the HF model holding the native stack's dequantised weights (the reference the
-    quantised kernels must reproduce)."""
-    import copy
-
-    ref = copy.deepcopy(model)
-    sd = ref.state_dict()
-    for i, L in enumerate(nat.native.layers):
-        p = f"model.layers.{i}."
-        q, k, v = L.qkv.dequantized().split([sd[p + f"self_attn.{x}_proj.weight"].shape[0] for x in "qkv"])
-        g, u = L.gate_up.dequantized().chunk(2)
-        for name, w in (("self_attn.q_proj", q), ("self_attn.k_proj", k), ("self_attn.v_proj", v),
-                        ("self_attn.o_proj", L.o.dequantized()), ("mlp.gate_proj", g), ("mlp.up_proj", u),
-                        ("mlp.down_proj", L.down.dequantized())):
-            sd[p + name + ".weight"].copy_(w)
-    sd["lm_head.weight"].copy_(nat.native.lm_head.dequantized())
-    return ref
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4", "fp16"])
@@ -345,7 +289,7 @@ def test_cli_backend_option_errors():
 def test_embedded_native_equals_hf(embedded_fp32):
     """The embedded SmolLM2 target, float32: native == HF (logits, features, greedy tokens) on
     several prompts; the exact-GGUF int4 stack stays within accumulation-order noise of it."""
-    from tests.test_embedded import PROMPTS
+    from tests.helpers import EMBEDDED_PROMPTS as PROMPTS
 
     nat = embedded_fp32.with_backend("native", "fp32")
     int4 = embedded_fp32.with_backend("native", "int4")

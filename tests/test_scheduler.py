@@ -22,7 +22,7 @@ from selfdraft.sampling import probs_from_logits
 from selfdraft.scheduler import CostTable, Scheduler, hardware_lengths, padded_lengths, threshold_lengths, with_overhead
 from selfdraft.target import Target
 from selfdraft.verify import verify_chain
-from tests.conftest import tiny_llama
+from tests.helpers import tiny_llama
 
 
 def test_cost_table_interpolates_and_saturates():

@@ -22,8 +22,8 @@ from selfdraft.methods.suffix.drafter import SuffixDrafter, draft_from
 from selfdraft.methods.suffix.tree import SuffixTree
 from selfdraft.scheduler import CostTable, Scheduler
 from selfdraft.target import Target
-from tests.conftest import tiny_llama
-from tests.test_decode import ModelDrafter, _sequence_law
+from tests.helpers import tiny_llama
+from tests.helpers import ModelDrafter, _sequence_law
 
 
 # ----------------------------------------------------------------------------- slow references

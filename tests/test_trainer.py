@@ -15,7 +15,7 @@ from selfdraft.target import Target
 from selfdraft.training.checkpointing import STATE_FILE
 from selfdraft.training.optim import ScheduleOrigin, lr_at
 from selfdraft.training.trainer import train
-from tests.conftest import tiny_llama
+from tests.helpers import tiny_llama
 from tests.toy_training import TOY, ToyConfig, single_thread, toy_method, write_dataset  # noqa: F401  (fixtures)
 
 

@@ -21,8 +21,7 @@ from selfdraft.tree import (
     tree_inputs,
 )
 from selfdraft.verify import TreeVerification, verify_tree
-from tests.conftest import tiny_llama
-from tests.test_decode import V_SMALL, _spec_pvalue
+from tests.helpers import ArgmaxTreeDrafter, V_SMALL, _spec_pvalue, tiny_llama  # noqa: F401
 
 PARENTS = torch.tensor([-1, -1, 0, 0, 1, 2, 2, 5, -1])  # 9 nodes, depth up to 4
 
@@ -185,26 +184,6 @@ class ModelTreeDrafter(Drafter):
         (ba, bb), cb = self.top2(list(tokens) + [b])
         return Proposal(torch.tensor([a, b, aa, ab, ba, bb]), confidences=torch.tensor(c + ca + cb),
                         parents=torch.tensor([-1, -1, 0, 0, 1, 1]))
-
-
-class ArgmaxTreeDrafter(Drafter):
-    """A tree whose first branch is the target's own greedy continuation (so most rounds accept a lot)."""
-
-    name = "oracle-tree"
-
-    def __init__(self, target: Target) -> None:
-        self.target = target
-
-    def propose(self, tokens, gamma, params, generator) -> Proposal:
-        seq = list(tokens)
-        for _ in range(gamma):
-            seq.append(int(self.target.model(torch.tensor([seq])).logits[0, -1].argmax()))
-        good = seq[len(tokens) :]
-        wrong = [(t + 1) % self.target.vocab_size for t in good]
-        # node 2i = the good token at depth i + 1, node 2i + 1 = a wrong sibling of it
-        toks = [t for pair in zip(wrong, good) for t in pair]
-        parents = [-1, -1] + [p for i in range(1, len(good)) for p in (2 * i - 1, 2 * i - 1)]
-        return Proposal(torch.tensor(toks, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long))
 
 
 def test_greedy_tree_decoding_equals_plain_greedy(tiny_target):

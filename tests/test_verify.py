@@ -11,6 +11,7 @@ from scipy.stats import chisquare
 from selfdraft.config import SamplingParams
 from selfdraft.sampling import probs_from_logits, residual, sample
 from selfdraft.verify import Verification, verify_chain, verify_greedy
+from tests.helpers import _broken_chain  # noqa: F401
 
 V, GAMMA = 4, 2
 
@@ -20,17 +21,6 @@ def _dists(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     p = torch.softmax(2.0 * torch.randn(GAMMA + 1, V, generator=g), -1)  # [γ+1, V]
     q = torch.softmax(2.0 * torch.randn(GAMMA, V, generator=g), -1)  # [γ, V]
     return p, q
-
-
-def _broken_chain(p, drafts, q, generator=None) -> Verification:
-    """A classic bug: resample from p instead of the residual norm(max(0, p - q)) after a rejection."""
-    for k in range(drafts.shape[0]):
-        x = int(drafts[k])
-        if torch.rand((), generator=generator) >= min(1.0, float(p[k, x] / q[k, x])):
-            t = int(sample(p[k], generator))
-            return Verification(k, t, drafts[:k].tolist() + [t])
-    t = int(sample(p[-1], generator))
-    return Verification(len(drafts), t, drafts.tolist() + [t])
 
 
 def _completed_law_pvalue(verifier, p, q, n=12000, seed=0) -> float:
