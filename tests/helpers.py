@@ -15,6 +15,7 @@ import itertools
 import json
 import re
 import shlex
+import string
 import subprocess
 from pathlib import Path
 
@@ -58,6 +59,23 @@ def tiny_llama(vocab: int = 96, hidden: int = 32, layers: int = 4, seed: int = 0
         with torch.no_grad():
             model.lm_head.weight.normal_(0.0, peaked / hidden**0.5)
     return model
+
+
+def char_tokenizer():
+    """A character-level fast tokenizer with a ChatML template (no download)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [c for c in string.printable if c not in "\x0b\x0c\r"]
+    vocab = {t: i for i, t in enumerate(["<unk>", "<|im_start|>", "<|im_end|>", *chars])}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<|im_end|>",
+                                  additional_special_tokens=["<|im_start|>"])
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return tok
 
 
 # ----------------------------------------------------------------------------- the repository's text

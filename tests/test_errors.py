@@ -147,7 +147,7 @@ def test_bad_files_give_one_line_naming_the_file_and_exit_2(case, tmp_path, monk
 def test_cli_temperature_too_small_for_float32_decodes_greedily_and_nan_exits_2(tmp_path):
     import json
 
-    from tests.test_serve import char_tokenizer
+    from tests.helpers import char_tokenizer
 
     tok = char_tokenizer()
     tiny_llama(vocab=len(tok), seed=3).save_pretrained(tmp_path)
@@ -227,7 +227,7 @@ def test_two_processes_converting_one_gguf_at_once_both_get_a_complete_directory
     import threading
 
     import selfdraft.target as tg
-    from tests.test_serve import char_tokenizer
+    from tests.helpers import char_tokenizer
 
     monkeypatch.setenv("SELFDRAFT_CACHE", str(tmp_path / "cache"))
     f = tmp_path / "m.gguf"

@@ -36,7 +36,7 @@ def target_dir(tmp_path):
 
 @pytest.fixture
 def chat_target_dir(tmp_path):
-    from tests.test_serve import char_tokenizer
+    from tests.helpers import char_tokenizer
 
     tok, d = char_tokenizer(), tmp_path / "tiny-chat"
     tiny_llama(vocab=len(tok), hidden=32, layers=2, seed=3, max_pos=512).save_pretrained(d)
@@ -250,7 +250,7 @@ def test_train_final_only_drops_the_trainer_state(toy_method, target_dir, tmp_pa
 def test_the_readme_first_try_runs_as_written(tmp_path, monkeypatch):
     """Every command of the README's small-scale pipeline, verbatim, on a tiny chat model instead of the
     embedded target (the only change: --target, float32, and paths under a temporary directory)."""
-    from tests.test_serve import char_tokenizer
+    from tests.helpers import char_tokenizer
 
     tok, chat_target_dir = char_tokenizer(), tmp_path / "tiny-chat-6"
     tiny_llama(vocab=len(tok), hidden=32, layers=6, seed=3, max_pos=512).save_pretrained(chat_target_dir)

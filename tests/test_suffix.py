@@ -324,7 +324,7 @@ def test_cli_bad_suffix_and_hybrid_input_is_one_line_exit_2(tmp_path):
     from typer.testing import CliRunner
 
     from selfdraft.cli import app
-    from tests.test_serve import char_tokenizer
+    from tests.helpers import char_tokenizer
 
     tok, d = char_tokenizer(), tmp_path / "tiny-chat"
     tiny_llama(vocab=len(tok), hidden=32, layers=2, seed=3, max_pos=512).save_pretrained(d)
