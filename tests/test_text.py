@@ -301,3 +301,32 @@ def test_every_package_the_makefile_installs_is_declared():
     assert install_problems(planted, pyproject) == [
         "the Makefile installs rich==13.0, which pyproject.toml does not declare",
         "the Makefile installs the extra [gpu], which pyproject.toml does not declare"]
+
+
+def shipped_facts_problems(readme: str, benchmarks: str) -> list[str]:
+    """The README's Shipped drafters table and BENCHMARKS.md's decision table agree on each checkpoint's
+    training tokens and τ with every draft verified (one measurement, stated twice)."""
+    bench = {}
+    for row in re.findall(r"^\| `(checkpoints/\w+)` \|(.*)$", benchmarks, flags=re.M):
+        cells = [c.strip() for c in row[1].split("|")]
+        bench[row[0]] = {"tokens": cells[1], "tau": cells[5]}  # method, trained on, CPU, τ default, × plain, τ fixed
+    bad = []
+    for ckpt, row in re.findall(r"^\| `(checkpoints/\w+)`[^|]*\|(.*)$", readme, flags=re.M):
+        cells = [c.strip() for c in row.split("|")]
+        tokens, tau = cells[2], cells[4].split(" ")[0]  # method, trained on, tokens, size, τ
+        if ckpt not in bench:
+            bad.append(f"{ckpt}: in README's table, not in BENCHMARKS.md's decision table")
+            continue
+        if tokens != bench[ckpt]["tokens"]:
+            bad.append(f"{ckpt}: README says {tokens} tokens, BENCHMARKS.md {bench[ckpt]['tokens']}")
+        if tau != bench[ckpt]["tau"]:
+            bad.append(f"{ckpt}: README says τ {tau}, BENCHMARKS.md {bench[ckpt]['tau']}")
+    return bad
+
+
+def test_readme_and_benchmarks_state_the_same_tokens_and_tau():
+    readme, benchmarks = (ROOT / "README.md").read_text(encoding="utf-8"), (ROOT / "BENCHMARKS.md").read_text(encoding="utf-8")
+    assert not shipped_facts_problems(readme, benchmarks)
+    planted = readme.replace("| 7.59M | 23.1 MB | 1.33-1.75 |", "| 5.8M | 23.1 MB | 1.29-1.65 |")
+    assert shipped_facts_problems(planted, benchmarks) == ["checkpoints/dspark: README says 5.8M tokens, BENCHMARKS.md 7.59M",
+                                                           "checkpoints/dspark: README says τ 1.29-1.65, BENCHMARKS.md 1.33-1.75"]
