@@ -166,7 +166,7 @@ def test_a_reader_does_not_undo_a_save_between_its_renames(tmp_path):
 
     final = (tmp_path / "ckpt").resolve()
     tmp, old = _siblings(final)
-    _owner(tmp).write_text(f"{os.getpid()} {socket.gethostname()}")  # a live writer: this process
+    _owner(tmp).write_text(f"{os.getpid()} {socket.gethostname()}")  # a live writer: a save of this process
     tmp.mkdir()
     (tmp / "v").write_text("new")
     old.mkdir()
@@ -183,6 +183,8 @@ def test_a_reader_does_not_undo_a_save_between_its_renames(tmp_path):
 
     th = threading.Thread(target=writer_step_4)
     th.start()
-    recover_interrupted_save(final)  # what every loader calls first
-    th.join()
+    try:
+        recover_interrupted_save(final)  # what every loader calls first
+    finally:
+        th.join()
     assert not errors and (final / "v").read_text() == "new"

@@ -139,11 +139,15 @@ def atomic_dir(final: str | Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)  # nothing of `final` changed; leave no half-written copy
         _owner(tmp).unlink(missing_ok=True)
         raise
-    for path in [*sorted(tmp.rglob("*")), tmp]:
-        _fsync(path)  # 2.
-    if final.exists():
-        os.replace(final, old)  # 3.
-    os.replace(tmp, final)  # 4.
+    try:
+        for path in [*sorted(tmp.rglob("*")), tmp]:
+            _fsync(path)  # 2.
+        if final.exists():
+            os.replace(final, old)  # 3.
+        os.replace(tmp, final)  # 4.
+    except BaseException:
+        _owner(tmp).unlink(missing_ok=True)  # no longer written: the next loader may finish or undo the commit
+        raise
     _owner(tmp).unlink(missing_ok=True)
     _fsync(final.parent)  # make both renames durable
     shutil.rmtree(old, ignore_errors=True)  # 5. (a reader may have removed it already)
