@@ -282,3 +282,16 @@ def test_shipped_checkpoints_load_and_decode_losslessly(embedded_fp32, name):
     gen = GenerationConfig(max_new_tokens=24)
     drafter = load_drafter(str(ROOT / "checkpoints" / name), embedded_fp32)
     assert generate(embedded_fp32, drafter, ids, config=gen).token_ids == generate(embedded_fp32, NoDrafter(), ids, config=gen).token_ids
+
+
+def test_a_checkpoint_without_a_newer_option_loads_with_it_off(monkeypatch):
+    """A config.json written before an option existed was trained without it: loading (legacy) fills the
+    option's ABSENT_MEANS value, not today's default; a fresh config keeps the default."""
+    from selfdraft.methods.dspark.config import DSparkConfig
+
+    monkeypatch.setattr(DSparkConfig, "ABSENT_MEANS", {**DSparkConfig.ABSENT_MEANS, "markov_rank": 7})  # a planted value
+    assert methods.drafter_config({"method": "dspark"}, legacy=True).markov_rank == 7
+    assert methods.drafter_config({"method": "dspark", "markov_rank": 9}, legacy=True).markov_rank == 9  # saved wins
+    assert methods.drafter_config({"method": "dspark"}).markov_rank == DSparkConfig().markov_rank
+    old = methods.drafter_config({"method": "dspark"}, legacy=True)
+    assert not (old.dense_first or old.context_residual or old.context_next_token) and old.kl_to_tv_tokens == 0

@@ -144,7 +144,8 @@ def drafter_config(data: dict[str, Any], legacy: bool = False) -> DrafterConfig:
 
     A key of another method's config raises too, naming that method. `legacy`: a checkpoint written
     when all methods shared one flat config (config.json held every method's fields): another method's
-    field that holds its default is dropped; one set to anything else still raises.
+    field that holds its default is dropped; one set to anything else still raises; an option the
+    method added later (its config's ABSENT_MEANS) takes the value it had before it existed.
     """
     method = data.get("method", DrafterConfig.method)
     trained = names(trained=True)
@@ -154,6 +155,8 @@ def drafter_config(data: dict[str, Any], legacy: bool = False) -> DrafterConfig:
     m = get(method)
     if legacy and method != "eagle3":  # a flat config's tree sizes are EAGLE-3's (DFlash/DSpark trees came later)
         data = {k: v for k, v in data.items() if k not in ("tree_top_k", "tree_total_tokens")}
+    if legacy:  # options newer than the checkpoint: off, not today's default
+        data = {**getattr(m.config, "ABSENT_MEANS", {}), **data}
     own = {f.name for f in dataclasses.fields(m.config)}
     foreign = foreign_fields(method)
     unknown = sorted(k for k in data if k not in own and k not in foreign)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from selfdraft.config import ConfigError, DrafterConfig, knob
 
@@ -10,6 +11,9 @@ from selfdraft.config import ConfigError, DrafterConfig, knob
 @dataclass
 class DFlashConfig(DrafterConfig):
     method: str = "dflash"
+    # Options added after the first checkpoints were written: a config.json without one was trained
+    # (and drafts) without it, whatever today's default is (methods.drafter_config, legacy=True).
+    ABSENT_MEANS: ClassVar[dict] = {"context_residual": False, "context_next_token": False, "dense_first": False}
     num_layers: int = knob(1, "draft decoder layers (as wide as the target)", "--layers")
     # True: DSpark's layout (γ inputs -> γ drafts); False: DFlash's (anchor + γ masks)
     anchor_as_first: bool = knob(True, "block layout: anchor's slot drafts (DSpark) or anchor + γ masks (DFlash)",

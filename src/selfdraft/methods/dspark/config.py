@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from selfdraft.config import ConfigError, knob
 from selfdraft.methods.dflash.config import DFlashConfig
@@ -11,6 +12,7 @@ from selfdraft.methods.dflash.config import DFlashConfig
 @dataclass
 class DSparkConfig(DFlashConfig):
     method: str = "dspark"
+    ABSENT_MEANS: ClassVar[dict] = {**DFlashConfig.ABSENT_MEANS, "kl_to_tv_tokens": 0}
     markov_rank: int = knob(64, "Markov head rank r (paper 256; 0 = no Markov head)")
     markov_head: str = knob("vanilla", "Markov head: vanilla | gated | rnn")
     confidence_head: bool = knob(True, "train the confidence head c_k (the scheduler reads it)")
