@@ -90,12 +90,12 @@ def test_the_tree_speaks_of_the_project_only():
 
 
 @pytest.mark.parametrize("name, line, what", [
-    ("docs/x.md", f"Measured in the ninth {_S} on a new machine.", "chronology"),
-    ("docs/x.md", f"As {_I} 27 asked, the campaign ...", "tracker"),
-    ("docs/x.md", f"see docs/bench/{_I}27-families-t0/", "tracker"),
+    ("page.md", f"Measured in the ninth {_S} on a new machine.", "chronology"),
+    ("page.md", f"As {_I} 27 asked, the campaign ...", "tracker"),
+    ("page.md", f"see docs/bench/{_I}27-families-t0/", "tracker"),
     ("scripts/x.sh", f"# Train on a {_L} accelerator within one 15-minute {_E}", "borrowed"),
-    ("docs/x.md", f"2 cores, no accelerator {_L}.", "borrowed"),
-    ("docs/x.md", "The run resumed exactly (work/" + " came back).", "scratch folder"),
+    ("page.md", f"2 cores, no accelerator {_L}.", "borrowed"),
+    ("page.md", "The run resumed exactly (work/" + " came back).", "scratch folder"),
     ("BENCHMARKS.md", "selfdraft bench --drafters dspark:work/ship-9 ...", "scratch folder work/"),
 ])
 def test_the_process_word_check_catches(name, line, what):
@@ -106,7 +106,7 @@ def test_the_process_word_check_keeps_real_uses():
     ok = [f'@pytest.fixture(scope="{_S}")', f"async with aiohttp.Client{_S.capitalize()}() as s:",
           'cp "$SRC" "$WORK/data"', "each chat turn of the developer role", "runs/first-data",
           f"the KV buffers, {_L} to the next cache"]
-    assert not [p for line in ok for p in process_word_problems("docs/x.md", line)]
+    assert not [p for line in ok for p in process_word_problems("page.md", line)]
     assert path_name_problems([f"docs/bench/{_I}27-segments/report.md", "docs/bench/campaign/dspark-curve/curve.md"]) == [
         f"docs/bench/{_I}27-segments/report.md: a number of the work's chronology or tracker in a path"]
 
