@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -18,7 +15,9 @@ import openai
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
+from typer.testing import CliRunner
 
+from selfdraft.cli import app as cli_app
 from selfdraft.config import GenerationConfig, SamplingParams
 from selfdraft.engine import Engine
 from selfdraft.methods.suffix.config import SuffixConfig
@@ -280,25 +279,28 @@ def test_with_a_key_metrics_and_api_docs_need_it_unless_metrics_are_opened(targe
         opened.stop()
 
 
-def run_serve(model_dir, *args, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`selfdraft serve` that must exit on its own (a server that starts instead fails the timeout)."""
-    return subprocess.run([sys.executable, "-m", "selfdraft", "serve", "--target", str(model_dir), "--dtype", "float32",
-                           "--port", "1", *args], env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-                          capture_output=True, text=True, timeout=120)
+def busy_port() -> socket.socket:
+    """A bound loopback socket: a server that would start on its port fails instead of serving forever."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock
 
 
 @pytest.mark.parametrize("env,args", [({"SELFDRAFT_API_KEY": ""}, []), ({}, ["--api-key", " "])], ids=["env", "option"])
-def test_an_empty_api_key_is_an_error_not_an_open_server(model_dir, env, args):
-    res = run_serve(model_dir, *args, env=env)
-    assert res.returncode == 2 and "API key" in res.stderr and "empty" in res.stderr and "Traceback" not in res.stderr
+def test_an_empty_api_key_is_an_error_not_an_open_server(model_dir, env, args):  # noqa: F811
+    with busy_port() as sock:
+        res = CliRunner().invoke(cli_app, ["serve", "--target", str(model_dir), "--dtype", "float32",
+                                           "--port", str(sock.getsockname()[1]), *args], env=env)
+    assert res.exit_code == 2 and "API key" in res.output and "empty" in res.output, res.output
+    assert "Traceback" not in res.output
 
 
-def test_a_non_loopback_host_without_a_key_warns(model_dir):
-    env = {k: v for k, v in os.environ.items() if k != "SELFDRAFT_API_KEY"}
-    res = subprocess.run([sys.executable, "-m", "selfdraft", "serve", "--target", str(model_dir), "--dtype", "float32",
-                          "--host", "0.0.0.0", "--drafter", "warp-drive"],  # fails before binding anything
-                         env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120)
-    assert res.returncode == 2 and "warning: serving on 0.0.0.0 without an API key" in res.stderr
+def test_a_non_loopback_host_without_a_key_warns(model_dir):  # noqa: F811
+    res = CliRunner().invoke(cli_app, ["serve", "--target", str(model_dir), "--dtype", "float32", "--host", "0.0.0.0",
+                                       "--drafter", "warp-drive"],  # fails before binding anything
+                             env={"SELFDRAFT_API_KEY": None})
+    assert res.exit_code == 2 and "warning: serving on 0.0.0.0 without an API key" in res.output, res.output
 
 
 # ---------------------------------------------------------------- 6. logit_bias keys
