@@ -66,6 +66,7 @@ class Tally:
 
     sent: int = 0
     by_role: dict = field(default_factory=dict)
+    by_role_status: dict = field(default_factory=dict)  # "role status" -> requests
     statuses: dict = field(default_factory=dict)
     ok: int = 0
     oom_victims: int = 0
@@ -80,6 +81,11 @@ class Tally:
     def count(self, role: str, status: int | str) -> None:
         self.sent += 1
         self.by_role[role] = self.by_role.get(role, 0) + 1
+        self.outcome(role, status)
+
+    def outcome(self, role: str, status: int | str) -> None:
+        key = f"{role} {status}"
+        self.by_role_status[key] = self.by_role_status.get(key, 0) + 1
         self.statuses[str(status)] = self.statuses.get(str(status), 0) + 1
 
 
@@ -244,6 +250,7 @@ class Soak:
                 reply = await asyncio.wait_for(reader.read(100), timeout=self.a.body_timeout + 15)
                 status = int(reply.split()[1]) if reply.startswith(b"HTTP/1.1 ") else "closed"
                 self.t.statuses[str(status)] = self.t.statuses.get(str(status), 0) + 1
+                self.t.outcome("slow", status)
                 if status != 408:
                     self.t.unexpected_status.append({"at_s": self.now(), "label": "slow body", "status": status, "expected": 408})
         except (OSError, asyncio.TimeoutError) as e:
@@ -432,7 +439,7 @@ async def run(a) -> dict:
         "duration_s": a.duration, "clients": a.clients, "roles": [ROLES[i % len(ROLES)] for i in range(a.clients)],
         "drafter": a.drafter, "model": soak.model, "context": soak.context, "longest_max_tokens": t.longest_max_tokens,
         "requests_sent": t.sent, "requests_counted": counted, "uncounted": t.sent - counted,
-        "by_role": t.by_role, "client_statuses": t.statuses, "server_finish_reasons": reasons,
+        "by_role": t.by_role, "by_role_status": t.by_role_status, "client_statuses": t.statuses, "server_finish_reasons": reasons,
         "server_rejected": rejected, "ok": t.ok, "completion_tokens_nonstream": t.completion_tokens,
         "faults_injected": len(soak.faults), "faults_by_kind": {k: sum(f.kind == k for f in soak.faults) for k in ("step", "inbox", "oom")},
         "faults_recovered": len(fired), "faults_probe_ok": sum(f.probe_ok for f in soak.faults),
