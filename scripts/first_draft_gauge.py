@@ -27,7 +27,7 @@ BINS = ((0.0, 0.5), (0.5, 0.8), (0.8, 1.01))
 
 
 @torch.no_grad()
-def gauge(ckpt: str, data: str, max_seq_len: int, batch_size: int, threads: int) -> dict:
+def gauge(ckpt: str, data: str, max_seq_len: int, batch_size: int, threads: int, limit: int) -> dict:
     torch.set_num_threads(threads)
     target = Target.load(None, dtype="float32")
     model, cfg = load_module(ckpt, target, dtype=torch.float32)
@@ -35,7 +35,7 @@ def gauge(ckpt: str, data: str, max_seq_len: int, batch_size: int, threads: int)
         raise SystemExit(f"error: {ckpt} is a {cfg.method} drafter; this gauge reads block drafters (dflash, dspark)")
     cfg = replace(cfg, anchors_per_seq=100_000, dense_first=False)  # a block at every position, no extra queries
     p_top, hit_greedy, hit_data = [], [], []
-    seqs = load_sequences(data, "val", max_seq_len)
+    seqs = load_sequences(data, "val", max_seq_len)[: limit or None]
     for i in range(0, len(seqs), batch_size):
         batch = make_batch(seqs[i : i + batch_size], target, cfg.feature_layers)
         tf = teacher_forced_blocks(model, batch, target, cfg, torch.Generator().manual_seed(0))
@@ -74,8 +74,9 @@ def main() -> None:
     ap.add_argument("--max-seq-len", type=int, default=1024)
     ap.add_argument("--batch-size", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--limit", type=int, default=0, help="the first N val conversations (0 = all)")
     a = ap.parse_args()
-    res = gauge(a.checkpoint, a.data, a.max_seq_len, a.batch_size, a.threads)
+    res = gauge(a.checkpoint, a.data, a.max_seq_len, a.batch_size, a.threads, a.limit)
     out = Path(a.out)
     out.write_text(json.dumps(res, indent=1) + "\n")
     rows = [f"| {b['p_top']} | {b['share']:.3f} | {b['acc1_greedy']:.3f} | {b['acc1_data']:.3f} |" for b in res["bins"]]
