@@ -127,7 +127,8 @@ def test_code_and_math_prompts_are_not_garbage():
     cfg = GateConfig()
     for text in ["Add 10% to all values in a list.\nList: [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]",
                  "Solve for x: 3x^2 - 5x + 2 = 0. Show each step.",
-                 "Why does `for (int i = 0; i < n; i++) { a[i] = b[i] * 2; }` segfault?"]:
+                 "Why does `for (int i = 0; i < n; i++) { a[i] = b[i] * 2; }` segfault?",
+                 "Solve 8x - 11 = 3x - 2 using linear equations."]:  # removed as "language" before numbers stopped counting
         assert not is_garbage(text, cfg) and is_language(text, "en"), text
     assert is_language("Расскажите мне о погоде", "any")
 

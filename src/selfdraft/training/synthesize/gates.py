@@ -76,13 +76,14 @@ def is_garbage(text: str, cfg: GateConfig) -> bool:
 
 
 def is_language(text: str, language: str) -> bool:
-    """`en`: Latin letters, and an English function word in any prompt of five words or more."""
+    """`en`: Latin letters, and an English function word in any prompt of five words or more (numbers and
+    terms like "8x" do not count as words: "Solve 8x - 11 = 3x - 2 using linear equations." is English)."""
     if language == "any":
         return True
     letters = [c for c in text if c.isalpha()]
     if letters and sum(c.isascii() for c in letters) / len(letters) < 0.9:
         return False
-    words = [w.lower() for w in WORD.findall(text)]
+    words = [w.lower() for w in WORD.findall(text) if w.isalpha()]  # "8x", "11": no language of their own
     return len(words) < 5 or any(w in ENGLISH_WORDS for w in words)
 
 
