@@ -249,7 +249,6 @@ class Soak:
                 await writer.drain()
                 reply = await asyncio.wait_for(reader.read(100), timeout=self.a.body_timeout + 15)
                 status = int(reply.split()[1]) if reply.startswith(b"HTTP/1.1 ") else "closed"
-                self.t.statuses[str(status)] = self.t.statuses.get(str(status), 0) + 1
                 self.t.outcome("slow", status)
                 if status != 408:
                     self.t.unexpected_status.append({"at_s": self.now(), "label": "slow body", "status": status, "expected": 408})
