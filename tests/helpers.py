@@ -479,7 +479,9 @@ def assert_steps_close(a, b, atol=1e-4):
     assert (a.last_hidden - b.last_hidden).abs().max() <= atol
     assert (a.features is None) == (b.features is None)
     if a.features is not None:
-        assert (a.features - b.features).abs().max() <= atol
+        # relative too: SmolLM2's residual stream holds activations of ~2.5e4, where one float32 ulp is
+        # ~2e-3 and accumulation order (which differs between CPUs' kernels) moves the last bits
+        assert ((a.features - b.features).abs() <= atol + 1e-6 * b.features.abs()).all()
 
 
 def _dequantized_hf(model, nat: Target):
