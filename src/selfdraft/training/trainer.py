@@ -89,7 +89,7 @@ def load_sequences(data_dir: str | Path, split: str, max_seq_len: int, features:
 
 def trainable(ids: list[int], mask: list[int]) -> bool:
     """Whether the trainer keeps a (truncated) record: >= 2 tokens and a supervised token to predict.
-    The campaign's ledger replays the trainer's order over exactly these (scripts/campaign_data.py)."""
+    The campaign's ledger replays the trainer's order over exactly these (scripts/campaign/campaign_data.py)."""
     return len(ids) >= 2 and any(mask[1:])
 
 
