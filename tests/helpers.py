@@ -479,9 +479,12 @@ def assert_steps_close(a, b, atol=1e-4):
     assert (a.last_hidden - b.last_hidden).abs().max() <= atol
     assert (a.features is None) == (b.features is None)
     if a.features is not None:
-        # relative too: SmolLM2's residual stream holds activations of ~2.5e4, where one float32 ulp is
-        # ~2e-3 and accumulation order (which differs between CPUs' kernels) moves the last bits
-        assert ((a.features - b.features).abs() <= atol + 1e-6 * b.features.abs()).all()
+        # relative to each layer's scale too: SmolLM2's residual stream holds activations of ~2.5e4, where
+        # one float32 ulp is ~2e-3, and accumulation order (it differs between CPUs' kernels) moves those
+        # last bits, which the next layers carry into every element
+        scale = b.features.abs().amax(dim=(0, 1))  # [n_feat, H] -> per layer below
+        for i in range(b.features.shape[2]):
+            assert (a.features[:, :, i] - b.features[:, :, i]).abs().max() <= atol + 1e-6 * scale[i].max()
 
 
 def _dequantized_hf(model, nat: Target):
