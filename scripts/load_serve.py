@@ -76,10 +76,10 @@ def default_tokenizer() -> Path:
     return Path(root) / "targets" / "smollm2-135m-instruct" / "tokenizer.json"
 
 
-def scrape(url: str) -> dict[str, float]:
+def scrape(url: str, headers: dict | None = None) -> dict[str, float]:
     """Each sample of /metrics by name (labels summed), and by name{label=value,...} too."""
     flat: dict[str, float] = {}
-    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", headers=headers, timeout=30).text):
         for s in fam.samples:
             flat[s.name] = flat.get(s.name, 0.0) + s.value
             if s.labels:

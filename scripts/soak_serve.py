@@ -37,7 +37,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, str(Path(__file__).parent))
+from load_serve import scrape  # noqa: E402  (the /metrics reader both load tools share)
 
 PROMPTS_DIR = Path(__file__).resolve().parents[1] / "src" / "selfdraft" / "bench" / "prompts"
 KEY = "sk-soak"
@@ -338,19 +340,6 @@ class Soak:
                 pass
 
 
-def scrape(url: str) -> dict[str, float]:
-    """/metrics summed by name, and by name{labels}."""
-    flat: dict[str, float] = {}
-    text = httpx.get(f"{url}/metrics", headers=auth(), timeout=30).text
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            flat[s.name] = flat.get(s.name, 0.0) + s.value
-            if s.labels:
-                key = s.name + "{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}"
-                flat[key] = flat.get(key, 0.0) + s.value
-    return flat
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -399,7 +388,7 @@ async def run(a) -> dict:
         soak = Soak(a, url, proc.pid, card["id"], card["max_model_len"])
         async with httpx.AsyncClient(timeout=600) as c:  # warm-up, before the counters are read
             await soak.generate(c, "warmup", soak.chat(8, stream=False))
-        before = scrape(url)
+        before = scrape(url, auth())
         soak.t = Tally()
         soak.t0 = time.monotonic()
         roles = [ROLES[i % len(ROLES)] for i in range(a.clients)]
@@ -416,7 +405,7 @@ async def run(a) -> dict:
                 break
             await asyncio.sleep(0.5)
         await asyncio.sleep(2.0)
-        after = scrape(url)
+        after = scrape(url, auth())
         final = httpx.get(f"{url}/health", timeout=30)
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -11,7 +11,7 @@ from selfdraft.target import Target
 from tests.helpers import tiny_llama  # noqa: F401  (tests that still import it from here)
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="package", autouse=True)  # tests/ is one package: once per run
 def run_cache(tmp_path_factory) -> Path:
     """Tests never read or write the user's cache (converted targets, hardware profiles, GGUF exports):
     SELFDRAFT_CACHE points at a folder of this run for the whole run, so `selfdraft profile` in a test
@@ -27,7 +27,7 @@ def run_cache(tmp_path_factory) -> Path:
         os.environ["SELFDRAFT_CACHE"] = old
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def embedded_dir(run_cache) -> Path:
     """The embedded target converted to a Hugging Face directory in this run's cache."""
     from selfdraft.target import _embedded_dir
@@ -47,6 +47,6 @@ def tiny_target() -> Target:
     return Target(tiny_llama())
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def embedded_fp32(run_cache) -> Target:
     return Target.load(dtype="float32")

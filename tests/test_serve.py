@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import socket
-import string
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -41,28 +40,12 @@ from selfdraft.serve.text import TextStream
 from selfdraft.target import Target
 from selfdraft.training.strategy import STRATEGIES
 from tests.conftest import tiny_llama
+from tests.helpers import char_tokenizer
 from tests.test_tree import ArgmaxTreeDrafter
 
 KEY = "sk-test"
 GAMMA = GenerationConfig().gamma
 PROMPT = "The quick brown fox"
-
-
-def char_tokenizer():
-    """A character-level fast tokenizer with a ChatML template (no download)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    chars = [c for c in string.printable if c not in "\x0b\x0c\r"]
-    vocab = {t: i for i, t in enumerate(["<unk>", "<|im_start|>", "<|im_end|>", *chars])}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tk.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<|im_end|>",
-                                  additional_special_tokens=["<|im_start|>"])
-    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    return tok
 
 
 @pytest.fixture(scope="module")

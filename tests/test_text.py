@@ -37,7 +37,6 @@ PROCESS_WORDS = [
 ALLOWED = [
     re.compile(rf"scope=[\"']{_S}[\"']"),  # pytest's fixture scope
     re.compile(rf"\b[A-Z]\w*{_S.capitalize()}\b"),  # class names (an HTTP client's)
-    re.compile(rf"\bper {_S}\b", re.I),  # a price per class (a synthesized user prompt quoted in docs/data.md)
 ]
 # User-facing pages promise commands that run from a clean checkout: no path into the ignored scratch folder.
 NO_SCRATCH = ("README.md", "BENCHMARKS.md")
