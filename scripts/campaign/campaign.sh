@@ -8,7 +8,8 @@
 # where that directory is missing, starts again from the committed weights. When a segment is done, ship it and extend the ledger:
 #   python scripts/campaign/campaign_data.py ledger --run $OUT --ledger $CKPT/ledger.json --out L
 #   python scripts/campaign/ship_drafter.py $OUT $CKPT && mv L $CKPT/ledger.json   (adds the segment to the lineage)
-# Sources: regen-v1; every other work/data/regen-v* (more prompts answered the same way, only those the ledger lacks:
+# Sources: regen-v1; every work/data/synth-v* (selfdraft data synthesize); every other work/data/regen-v* (more
+# prompts answered the same way, only those the ledger lacks:
 #   selfdraft data regenerate sharegpt --out work/data/regen-v3 --limit 15000 --exclude checkpoints/dspark/ledger.json \
 #     --batch-size 32 --threads 1 --dtype bfloat16 --seed 3     (rerun it to finish before a segment is built);
 # the single-turn ShareGPT prompts (13,968 usable) are all answered (regen-v1, v3, v6a/b; the ledger holds their
@@ -36,7 +37,9 @@ if [ ! -d work/data/regen-v1 ]; then  # a writable copy: the draft vocabulary is
   cp -r "$SRC" work/data/regen-v1 && chmod -R u+w work/data/regen-v1
 fi
 FROM="--from work/data/regen-v1"
-for d in work/data/regen-v*; do [ "$d" = work/data/regen-v1 ] || FROM="$FROM --from $d"; done
+shopt -s nullglob  # synth-v*: conversations the target wrote itself (selfdraft data synthesize, docs/data.md)
+for d in work/data/regen-v* work/data/synth-v*; do [ "$d" = work/data/regen-v1 ] || FROM="$FROM --from $d"; done
+shopt -u nullglob
 if [ "${ORIGINAL:-0}" -gt 0 ]; then
   [ -f work/data/original/manifest.json ] || .venv/bin/selfdraft data original --out work/data/original --limit 20000
   FROM="$FROM --from work/data/original:$ORIGINAL"
@@ -56,7 +59,8 @@ echo "campaign: segment $DATA ($EPOCH tokens a epoch, budget $BUDGET) from $CKPT
 # runs that family's campaign; a checkpoint without a ledger gets one first: python scripts/campaign/campaign_data.py ledger
 # --run $CKPT --data work/data/regen-v1 --out $CKPT/ledger.json). DSpark/DFlash: CE on the target's greedy token,
 # 64 anchors; LAYERS=2 grows the drafter by a layer that starts as the identity (training/checkpointing.py
-# warm_start); W_KL=w adds the soft cross-entropy against p_t (docs/methods/dspark.md#training-loss). OUT=DIR names a run.
+# warm_start); RECIPE=dense-first the first-draft layout (scripts/campaign/method_flags.sh; its new inputs start
+# at zero); W_KL=w adds the soft cross-entropy against p_t (docs/methods/dspark.md#training-loss). OUT=DIR names a run.
 # bf16 autocast on a bf16 target: measured 211 vs 151 seq tok/s (fp32), 1 thread, AMD EPYC Zen 5 (avx512_bf16).
 # On a CPU without bf16 units pass BF16="--no-bf16 --dtype float32" (Zen 2: a bf16 matmul costs 40x an fp32 one).
 source scripts/campaign/method_flags.sh
