@@ -30,7 +30,7 @@ def run_cache(tmp_path_factory) -> Path:
 @pytest.fixture(scope="package")
 def embedded_dir(run_cache) -> Path:
     """The embedded target converted to a Hugging Face directory in this run's cache."""
-    from selfdraft.target import _embedded_dir
+    from selfdraft.target_loading import _embedded_dir
 
     return _embedded_dir()
 

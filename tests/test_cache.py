@@ -9,7 +9,7 @@ from pathlib import Path
 
 from platformdirs import user_cache_dir
 
-from selfdraft.target import cache_root
+from selfdraft.target_loading import cache_root
 
 
 def test_the_cache_is_this_runs_own(run_cache):
@@ -20,6 +20,6 @@ def test_the_cache_is_this_runs_own(run_cache):
 
 
 def test_a_command_run_by_a_test_inherits_it(run_cache):
-    res = subprocess.run([sys.executable, "-c", "from selfdraft.target import cache_root; print(cache_root())"],
+    res = subprocess.run([sys.executable, "-c", "from selfdraft.target_loading import cache_root; print(cache_root())"],
                          capture_output=True, text=True, check=True)
     assert Path(res.stdout.strip()).resolve() == run_cache.resolve()

@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import selfdraft.decode as decode_mod
+import selfdraft.verify as verify_mod
 from selfdraft import methods
 from selfdraft.config import GenerationConfig, SamplingParams
 from selfdraft.decode import generate
@@ -76,13 +76,13 @@ def test_penalties_and_logit_bias_keep_sampling_lossless_chi_square(small_vocab_
 
 def test_chi_square_catches_penalties_that_ignore_the_drafts(small_vocab_target, monkeypatch):
     """The harness can fail: verification that penalises every row with the anchor's context only."""
-    monkeypatch.setattr(decode_mod, "_row_contexts", lambda generated, proposal, n: [list(generated)] * n)
+    monkeypatch.setattr(verify_mod, "_row_contexts", lambda generated, proposal, n: [list(generated)] * n)
     drafter = ModelDrafter(tiny_llama(vocab=V_SMALL, hidden=16, layers=2, seed=2, peaked=1.0))
     assert _spec_pvalue(small_vocab_target, drafter, PENALISED) < 1e-6
 
 
 def test_chi_square_catches_a_broken_verifier(small_vocab_target, monkeypatch):
-    monkeypatch.setattr(decode_mod, "verify_chain", _broken_chain)
+    monkeypatch.setattr(verify_mod, "verify_chain", _broken_chain)
     drafter = ModelDrafter(tiny_llama(vocab=V_SMALL, hidden=16, layers=2, seed=2, peaked=1.0))
     assert _spec_pvalue(small_vocab_target, drafter, SamplingParams(temperature=1.0)) < 1e-6
 

@@ -226,7 +226,7 @@ def test_two_processes_converting_one_gguf_at_once_both_get_a_complete_directory
     each writes a private copy, so neither reads a directory the other is still writing or renaming."""
     import threading
 
-    import selfdraft.target as tg
+    import selfdraft.target_loading as tg
     from tests.helpers import char_tokenizer
 
     monkeypatch.setenv("SELFDRAFT_CACHE", str(tmp_path / "cache"))

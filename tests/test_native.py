@@ -22,7 +22,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-import selfdraft.decode as decode_mod
+import selfdraft.verify as verify_mod
 import tests.test_decode as td
 import tests.test_engine as te
 import tests.test_tree as tt
@@ -158,7 +158,7 @@ def test_lossless_chi_square_on_native_and_broken_control(small_native, monkeypa
     drafter = td.ModelDrafter(tiny_llama(vocab=td.V_SMALL, hidden=16, layers=2, seed=2, peaked=1.0))
     params = SamplingParams(temperature=1.0)
     assert td._spec_pvalue(small_native, drafter, params) > 1e-3
-    monkeypatch.setattr(decode_mod, "verify_chain", td._broken_chain)
+    monkeypatch.setattr(verify_mod, "verify_chain", td._broken_chain)
     assert td._spec_pvalue(small_native, drafter, params) < 1e-6
 
 

@@ -275,7 +275,7 @@ class PeekingHybrid(HybridDrafter):
         self.target = target
 
     def propose_until(self, tokens, gamma, params, generator, admission):
-        from selfdraft.decode import verify
+        from selfdraft.verify import verify
 
         s = self.suffix.draft(tokens, gamma).proposal()
         n = self.neural.propose(tokens, gamma, params, generator)

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from selfdraft.target import Target, cache_root
+from selfdraft.target import Target
+from selfdraft.target_loading import cache_root
 from selfdraft.training.records import DataError, ShardWriter, load_records
 from selfdraft.training.regenerate import RegenConfig
 from selfdraft.training.synthesize.config import GateConfig, SynthConfig

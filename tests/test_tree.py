@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import selfdraft.decode as decode_mod
+import selfdraft.verify as verify_mod
 from selfdraft.config import GenerationConfig, SamplingParams
 from selfdraft.decode import generate
 from selfdraft.drafters import Drafter, Proposal
@@ -231,5 +231,5 @@ def test_sampling_tree_sized_by_the_scheduler_is_lossless_chi_square(small_vocab
 
 
 def test_chi_square_catches_a_broken_sibling_rule(small_vocab_target, monkeypatch):
-    monkeypatch.setattr(decode_mod, "verify_tree", _broken_tree)
+    monkeypatch.setattr(verify_mod, "verify_tree", _broken_tree)
     assert _spec_pvalue(small_vocab_target, _tree_drafter(), SamplingParams(temperature=1.0)) < 1e-6

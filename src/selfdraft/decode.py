@@ -1,7 +1,8 @@
 """One request's speculative decoding, one round at a time (docs/architecture.md#one-round).
 
 `Speculation` owns one request's round, for draft chains and trees alike: propose -> one target
-forward -> verify -> commit -> observe -> roll back. Its three callers share that code:
+forward -> verify (verify.py: logits -> p through sampling.py, then the acceptance rule) -> commit
+-> observe -> roll back. Its three callers share that code:
 
 - `generate` (below): `prefill`, then `round` until done, on the request's own KV cache;
 - the batched engine (engine.py): ONE prefill forward for the joining requests, then `start` per
@@ -14,17 +15,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
 from selfdraft.config import GenerationConfig, SamplingParams
 from selfdraft.drafters.base import Drafter, Proposal
-from selfdraft.sampling import block_contexts, probs_from_logits, process_logits
 from selfdraft.scheduler import AcceptanceHistory, Scheduler
-from selfdraft.target import Target, TargetError, TargetStep
+from selfdraft.target import Target, TargetStep
+from selfdraft.target_loading import TargetError
 from selfdraft.tree import ancestor_mask, depths, tree_inputs
-from selfdraft.verify import Verification, verify_chain, verify_greedy, verify_tree, verify_tree_greedy
+from selfdraft.verify import Verification, verify
 
 
 @dataclass
@@ -70,40 +71,6 @@ class GenerationResult:
             tried = [r for r in self.rounds if r.depth >= k and r.accepted >= k - 1]
             counts.append((len(tried), sum(r.accepted >= k for r in tried)))
         return counts
-
-
-def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, generator,
-           generated: Sequence[int] = ()) -> Verification:
-    """logits: [γ'+1, V] target logits at [anchor, drafts] (on the target's device). Dispatches tree vs
-    greedy vs rejection sampling.
-
-    Greedy runs where the logits are (processors, argmax, acceptance) and copies γ'+2 ids to the host
-    once; sampling runs on the CPU (a no-op there), where the request's CPU generator draws, whatever
-    the target's device. generated: the request's generated tokens so far, anchor included (what
-    penalties count)."""
-    proposal = proposal.cpu()
-    if not params.greedy:
-        logits = logits.cpu()
-    if params.has_processors:  # each row with its own context: the drafts before it
-        logits = process_logits(logits, params, _row_contexts(generated, proposal, logits.shape[0]))
-    if params.greedy:  # p one-hot at the argmax: a tree's sibling rule walks the argmax path
-        if proposal.parents is not None:
-            return verify_tree_greedy(logits, proposal.tokens, proposal.parents)
-        return verify_greedy(logits, proposal.tokens)
-    if proposal.parents is not None:  # a draft tree: the sibling rule
-        return verify_tree(probs_from_logits(logits, params), proposal.tokens, proposal.parents, generator)
-    return verify_chain(probs_from_logits(logits, params), proposal.tokens, proposal.q, generator)
-
-
-def _row_contexts(generated: Sequence[int], proposal: Proposal, n: int) -> list[list[int]]:
-    """Generated tokens before each verified row: a chain's row i follows drafts[:i]; a tree's node
-    row follows its ancestors' tokens and its own."""
-    if proposal.parents is None:
-        return block_contexts(generated, proposal.tokens.tolist(), n)
-    toks, parents, rows = proposal.tokens.tolist(), proposal.parents.tolist(), [list(generated)]
-    for j in range(n - 1):
-        rows.append(rows[parents[j] + 1] + [toks[j]])  # parents[j] < j: its row is built already
-    return rows
 
 
 @dataclass

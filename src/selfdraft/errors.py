@@ -2,7 +2,7 @@
 
 Every error whose message tells the user what to fix derives from `SelfdraftError`: bad
 configuration (config.ConfigError, and checkpoint.CheckpointError / bench DatasetError under it),
-a target that cannot be loaded or used (target.TargetError), unusable training data
+a target that cannot be loaded or used (target_loading.TargetError), unusable training data
 (training.records.DataError). The CLI maps them to exit codes in one place (cli/common.py); the HTTP
 server maps request errors to status codes separately (serve/protocol.py).
 """

@@ -15,7 +15,7 @@ module for the method (checked against speculators 0.9.0: 0 missing, 0 unexpecte
 whose function the format cannot express is refused with the `--config` values to retrain it with
 (`compatibility`), never exported with a warning.
 
-Each method has one small table (`MethodMap`, in its package's export.py): regex rules that rename our state-dict keys to the
+Each method has one small table (a `selfdraft.methods.MethodMap`, in its package's export.py): regex rules that rename our state-dict keys to the
 speculators names (the reverse mapping is the same table inverted over the built module's keys, so
 the two directions cannot drift apart), the layer's HF model_type and the per-method config fields.
 
@@ -51,7 +51,7 @@ import re
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -68,6 +68,7 @@ from selfdraft.checkpoint import (
     read_config,
 )
 from selfdraft import methods
+from selfdraft.methods import MethodMap
 from selfdraft.config import EMBEDDED_TARGET, ConfigError, DrafterConfig
 from selfdraft.drafters.layers import LayerShape
 from selfdraft.vocab import DraftVocab
@@ -84,24 +85,6 @@ SHARED_TENSORS = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.wei
 
 
 # ------------------------------------------------------------------ the per-method tables
-@dataclass(frozen=True)
-class MethodMap:
-    """How one of our methods looks in the speculators format (each method's export.py defines one)."""
-
-    method: str  # ours == speculators_model_type
-    architecture: str  # speculators' "architectures" entry
-    rules: tuple[tuple[str, str], ...]  # (regex on our state-dict key, replacement): the first match renames it
-    layer_model_type: Callable[[DrafterConfig], str]  # transformer_layer_config.model_type
-    fields: Callable[[DrafterConfig, "Target"], dict]  # method-specific config.json fields
-    from_fields: Callable[[dict, "Target"], dict]  # speculators config -> config overrides
-    layers: Callable[[DrafterConfig, "Target"], int]  # transformer_layer_config.num_hidden_layers
-    fixes: Callable[[DrafterConfig, "Target"], dict]  # what keeps a drafter from vLLM's module (`compatibility`)
-    config_only: tuple[str, ...] = ()  # our state keys stored in config.json instead (not vLLM weights)
-    # DFlash / DSpark: mask slots are the verifier's embedding rows, and a draft vocabulary is shipped as
-    # the verifier's LM-head rows with d2t / t2d (our drafter drafts through the target's own head)
-    target_rows: bool = False
-
-
 def method_map(method: str) -> MethodMap:
     """The speculators table of a registered method; CheckpointError for one without a speculators format."""
     m = methods.get(method).speculators() if method in methods.METHODS else None

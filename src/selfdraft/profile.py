@@ -22,7 +22,8 @@ import torch
 
 from selfdraft.config import ConfigError
 from selfdraft.scheduler import SCHEDULERS, CostTable, Scheduler
-from selfdraft.target import Target, cache_root
+from selfdraft.target import Target
+from selfdraft.target_loading import cache_root
 
 
 @dataclass

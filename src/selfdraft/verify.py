@@ -1,4 +1,9 @@
-"""Verification as pure functions (docs/verification.md). Inputs are already-processed probabilities.
+"""Verification (docs/verification.md): `verify`, the one entry a round calls (decode.py), and the
+rules it dispatches to, pure functions of already-processed probabilities.
+
+A round goes decode -> verify -> sampling: `verify` turns the target's logits into p with the
+request's logits processors and sampling transforms (sampling.py), then picks greedy, chain
+rejection sampling or the sibling rule.
 
 Shapes: γ = number of draft tokens, V = vocab.
   p: [γ+1, V] target probabilities at the γ+1 verified positions (last + drafts)
@@ -9,10 +14,15 @@ Shapes: γ = number of draft tokens, V = vocab.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from selfdraft.sampling import residual, sample
+from selfdraft.config import SamplingParams
+from selfdraft.sampling import block_contexts, probs_from_logits, process_logits, residual, sample
+
+if TYPE_CHECKING:
+    from selfdraft.drafters.base import Proposal
 
 
 @dataclass
@@ -20,6 +30,40 @@ class Verification:
     num_accepted: int  # drafts accepted, 0..γ
     next_token: int  # the correction at the first rejection, or the bonus token
     tokens: list[int]  # accepted drafts followed by next_token (len num_accepted + 1)
+
+
+def verify(logits: torch.Tensor, proposal: "Proposal", params: SamplingParams, generator,
+           generated: Sequence[int] = ()) -> Verification:
+    """logits: [γ'+1, V] target logits at [anchor, drafts] (on the target's device). Dispatches tree vs
+    greedy vs rejection sampling.
+
+    Greedy runs where the logits are (processors, argmax, acceptance) and copies γ'+2 ids to the host
+    once; sampling runs on the CPU (a no-op there), where the request's CPU generator draws, whatever
+    the target's device. generated: the request's generated tokens so far, anchor included (what
+    penalties count)."""
+    proposal = proposal.cpu()
+    if not params.greedy:
+        logits = logits.cpu()
+    if params.has_processors:  # each row with its own context: the drafts before it
+        logits = process_logits(logits, params, _row_contexts(generated, proposal, logits.shape[0]))
+    if params.greedy:  # p one-hot at the argmax: a tree's sibling rule walks the argmax path
+        if proposal.parents is not None:
+            return verify_tree_greedy(logits, proposal.tokens, proposal.parents)
+        return verify_greedy(logits, proposal.tokens)
+    if proposal.parents is not None:  # a draft tree: the sibling rule
+        return verify_tree(probs_from_logits(logits, params), proposal.tokens, proposal.parents, generator)
+    return verify_chain(probs_from_logits(logits, params), proposal.tokens, proposal.q, generator)
+
+
+def _row_contexts(generated: Sequence[int], proposal: "Proposal", n: int) -> list[list[int]]:
+    """Generated tokens before each verified row: a chain's row i follows drafts[:i]; a tree's node
+    row follows its ancestors' tokens and its own."""
+    if proposal.parents is None:
+        return block_contexts(generated, proposal.tokens.tolist(), n)
+    toks, parents, rows = proposal.tokens.tolist(), proposal.parents.tolist(), [list(generated)]
+    for j in range(n - 1):
+        rows.append(rows[parents[j] + 1] + [toks[j]])  # parents[j] < j: its row is built already
+    return rows
 
 
 def greedy_outcome(target_logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:

@@ -130,7 +130,8 @@ def train_cmd(
     device: str, **fields,
 ) -> None:
     """Train a self-drafter on the target's own answers; the checkpoint loads with `--drafter OUT`."""
-    from selfdraft.target import Target, resolve_device
+    from selfdraft.target import Target
+    from selfdraft.target_loading import resolve_device
     from selfdraft.training.records import iter_records
     from selfdraft.training.checkpointing import STATE_FILE
     from selfdraft.training.distributed import bind_local_gpu

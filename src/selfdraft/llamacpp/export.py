@@ -336,7 +336,7 @@ def cached_gguf(src_dir: str | Path, target: "Target") -> GGUFReport:
     """The GGUF export of `src_dir`, made once per checkpoint content (cache: $SELFDRAFT_CACHE/gguf)."""
     import hashlib
 
-    from selfdraft.target import cache_root
+    from selfdraft.target_loading import cache_root
 
     src_dir = Path(src_dir)
     h = hashlib.sha256()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from selfdraft.config import ConfigError, DrafterConfig, from_dict
 
@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     import torch
 
     from selfdraft.drafters.base import Drafter
-    from selfdraft.export import MethodMap
     from selfdraft.target import Target
 
 METHODS: dict[str, str] = {
@@ -52,7 +51,7 @@ class Method:
     Training-free methods (no `config`): `drafter` is a factory (target, **options) -> Drafter.
     Trained methods: `drafter` wraps a module, (model, cfg, target) -> Drafter; `model` builds a fresh
     module, (cfg, target) -> nn.Module; `strategy` is the training `Strategy` (only selfdraft.training
-    imports it); `export` is the speculators `MethodMap` ("" = no speculators format).
+    imports it); `export` is the speculators `MethodMap` (below; "" = no speculators format).
     """
 
     name: str  # the registry name: --drafter / --method, config.json "method"
@@ -92,6 +91,25 @@ class Method:
     def speculators(self) -> "MethodMap | None":
         """How the method looks in the speculators format vLLM loads (export.py), or None."""
         return self.part(self.export) if self.export else None
+
+
+@dataclass(frozen=True)
+class MethodMap:
+    """How one of our methods looks in the speculators format (each method's export.py defines one;
+    selfdraft.export reads it through `Method.speculators`)."""
+
+    method: str  # ours == speculators_model_type
+    architecture: str  # speculators' "architectures" entry
+    rules: tuple[tuple[str, str], ...]  # (regex on our state-dict key, replacement): the first match renames it
+    layer_model_type: Callable[[DrafterConfig], str]  # transformer_layer_config.model_type
+    fields: Callable[[DrafterConfig, "Target"], dict]  # method-specific config.json fields
+    from_fields: Callable[[dict, "Target"], dict]  # speculators config -> config overrides
+    layers: Callable[[DrafterConfig, "Target"], int]  # transformer_layer_config.num_hidden_layers
+    fixes: Callable[[DrafterConfig, "Target"], dict]  # what keeps a drafter from vLLM's module (`compatibility`)
+    config_only: tuple[str, ...] = ()  # our state keys stored in config.json instead (not vLLM weights)
+    # DFlash / DSpark: mask slots are the verifier's embedding rows, and a draft vocabulary is shipped as
+    # the verifier's LM-head rows with d2t / t2d (our drafter drafts through the target's own head)
+    target_rows: bool = False
 
 
 _loaded: dict[str, Method] = {}

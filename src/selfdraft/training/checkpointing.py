@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import pickle
 import sys
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,7 +30,7 @@ from selfdraft.config import ConfigError, DrafterConfig, TrainConfig
 from selfdraft.methods import drafter_config
 from selfdraft.target import Target
 from selfdraft.training.distributed import Distributed
-from selfdraft.training.optim import ScheduleOrigin, make_optimizer, schedule_progress
+from selfdraft.training.optim import ScheduleOrigin
 from selfdraft.training.strategy import Strategy
 
 STATE_FILE, LOG_FILE = "trainer_state.pt", "train_log.jsonl"
@@ -85,17 +85,18 @@ class DataCursor:
 
 @dataclass
 class RunState:
-    """Everything a run changes as it goes; `save` writes all of it, `start_or_resume` restores it."""
+    """Everything a run changes as it goes; `save` writes all of it. `start_or_resume` gives the run's
+    start, `optim.start_optimizer` its optimizer and schedule segment."""
 
     model: torch.nn.Module
-    opt: torch.optim.AdamW
     gen: torch.Generator  # the strategy's sampling (anchors, ...)
     cursor: DataCursor
     step: int = 0
     tokens: int = 0
     history: list[StepLog] = field(default_factory=list)
     val: list[ValLog] = field(default_factory=list)
-    opt_state: dict | None = None  # a resumed run's saved optimizer state (loaded once the module is wrapped)
+    saved: dict | None = None  # a resumed run's trainer_state.pt (its optimizer state and schedule origin)
+    opt: torch.optim.AdamW | None = None  # built once the module is wrapped (FSDP replaces the parameters)
     origin: ScheduleOrigin = ScheduleOrigin()  # the learning-rate schedule's current segment
 
 
@@ -103,7 +104,9 @@ def start_or_resume(
     target: Target, strategy: Strategy, cfg: DrafterConfig, train_cfg: TrainConfig, out_dir: Path, resume: bool, n_train: int,
     dist: Distributed | None = None,
 ) -> RunState:
-    """A fresh run seeded by train_cfg.seed, or the run saved in out_dir restored exactly (on every rank)."""
+    """Where the run begins: a fresh drafter seeded by train_cfg.seed (float32 master weights; autocast
+    runs it in bf16), warm-started from train_cfg.init_from, or the run saved in out_dir restored
+    exactly (on every rank). The optimizer comes later (`optim.start_optimizer`), over the wrapped module."""
     dist = dist or Distributed()
     torch.manual_seed(train_cfg.seed)
     gen = torch.Generator().manual_seed(train_cfg.seed)
@@ -115,22 +118,14 @@ def start_or_resume(
         strategy.prepare(model, cfg, target, train_cfg.data)  # data-dependent init (EAGLE-3 draft vocab)
         if train_cfg.init_from:
             warm_start(model, cfg, target, train_cfg.init_from)
-        return RunState(model, make_optimizer(model, train_cfg), gen, DataCursor())
+        return RunState(model, gen, DataCursor())
     state = check_resumable(out_dir, target, cfg, train_cfg, n_train)
     model = load_module(out_dir, target, dtype=torch.float32).model.to(target.model.device).train()  # with the target, as a fresh run's
-    opt = make_optimizer(model, train_cfg)
     gen.set_state(state["generator"])
     torch.set_rng_state(state["torch_rng"])
     history, val = _read_log(out_dir / LOG_FILE, state["step"])
     cursor = DataCursor(state["epoch"], state["index"])
-    origin = ScheduleOrigin(*state.get("schedule_origin", (0, 0, 0.0)))
-    saved_cfg = replace(train_cfg, steps=state["train"]["steps"], token_budget=state["train"]["token_budget"])
-    if (saved_cfg.steps, saved_cfg.token_budget) != (train_cfg.steps, train_cfg.token_budget):
-        # a longer (or shorter) run: the cosine goes on from the progress reached, over what is left
-        p = schedule_progress(state["step"], state["tokens"], saved_cfg, origin) if state["step"] >= train_cfg.warmup_steps else 0.0
-        origin = ScheduleOrigin(state["step"], state["tokens"], min(1.0, p))
-    return RunState(model, opt, gen, cursor, state["step"], state["tokens"], history, val, opt_state=state["optimizer"],
-                    origin=origin)
+    return RunState(model, gen, cursor, state["step"], state["tokens"], history, val, saved=state)
 
 
 # Buffers a warm start keeps from `prepare` (the new data's draft vocabulary), not from the checkpoint.

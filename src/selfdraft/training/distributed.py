@@ -13,17 +13,12 @@ from __future__ import annotations
 import os
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from selfdraft.config import ConfigError, DrafterConfig, TrainConfig
 from selfdraft.target import Target
-from selfdraft.training.optim import make_optimizer
 from selfdraft.training.strategy import Batch, LossOutput, Strategy
-
-if TYPE_CHECKING:
-    from selfdraft.training.checkpointing import RunState
 
 
 def bind_local_gpu() -> int:
@@ -114,17 +109,9 @@ class Distributed:
         b = len(idx) // self.world
         return idx[self.rank * b : (self.rank + 1) * b]
 
-    def attach(self, run: "RunState", strategy: Strategy, target: Target, cfg: DrafterConfig, train_cfg: TrainConfig) -> torch.nn.Module:
-        """Wrap the run's drafter (-> the module whose forward computes the loss: DDP / FSDP / plain) and
-        give `run` the optimizer that matches it, with a resumed run's saved state loaded."""
-        wrapped = self.wrap(run.model, strategy, target, cfg)
-        if self.fsdp:  # fully_shard replaced the parameters (DTensors): the optimizer must hold the new ones
-            run.opt = make_optimizer(run.model, train_cfg)
-        if run.opt_state is not None:  # resumed: loaded after a possible FSDP sharding
-            self.load_optimizer_state(run.model, run.opt, run.opt_state)
-        return wrapped
-
     def wrap(self, model: torch.nn.Module, strategy: Strategy, target: Target, cfg: DrafterConfig) -> torch.nn.Module:
+        """The module whose forward(batch, gen) is strategy.loss: DDP over the drafter, FSDP shards of it, or
+        (world 1) the plain `LossModule`. The optimizer is built after this (`optim.start_optimizer`)."""
         module = LossModule(model, strategy, target, cfg)
         if self.world == 1:
             return module

@@ -2,17 +2,23 @@
 
 The learning rate is a pure function of (step, tokens) and the segment's origin, so a resumed run
 needs no scheduler state beyond the origin that trainer_state.pt keeps
-(docs/training.md#checkpoints-and-resuming).
+(docs/training.md#checkpoints-and-resuming). `start_optimizer` is the run's setup step between the
+distributed wrap and the loop: AdamW over the parameters the run trains, a resumed run's state loaded.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from selfdraft.config import ConfigError, TrainConfig
+
+if TYPE_CHECKING:
+    from selfdraft.training.checkpointing import RunState
+    from selfdraft.training.distributed import Distributed
 
 
 @dataclass(frozen=True)
@@ -55,3 +61,25 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
     if not params:
         raise ConfigError("the drafter module has no trainable parameters")
     return torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+
+
+def resumed_origin(saved: dict, cfg: TrainConfig) -> ScheduleOrigin:
+    """The schedule segment a resumed run goes on with (saved: its trainer_state.pt): the saved one, or,
+    for a longer (or shorter) run, a new one at the resume point that continues the cosine from the
+    progress reached, over what is left."""
+    origin = ScheduleOrigin(*saved.get("schedule_origin", (0, 0, 0.0)))
+    saved_cfg = replace(cfg, steps=saved["train"]["steps"], token_budget=saved["train"]["token_budget"])
+    if (saved_cfg.steps, saved_cfg.token_budget) == (cfg.steps, cfg.token_budget):
+        return origin
+    p = schedule_progress(saved["step"], saved["tokens"], saved_cfg, origin) if saved["step"] >= cfg.warmup_steps else 0.0
+    return ScheduleOrigin(saved["step"], saved["tokens"], min(1.0, p))
+
+
+def start_optimizer(run: "RunState", cfg: TrainConfig, dist: "Distributed") -> None:
+    """Give `run` its AdamW and schedule segment: fresh, or a resumed run's saved ones. Called once the
+    module is wrapped (`Distributed.wrap`): FSDP replaces the parameters with shards, which the optimizer
+    must hold, and the saved (full) optimizer state is sharded like them."""
+    run.opt = make_optimizer(run.model, cfg)
+    if run.saved is not None:
+        dist.load_optimizer_state(run.model, run.opt, run.saved["optimizer"])
+        run.origin = resumed_origin(run.saved, cfg)

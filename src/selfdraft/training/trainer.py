@@ -23,7 +23,7 @@ from selfdraft.progress import progress_bar
 from selfdraft.target import Target
 from selfdraft.training.checkpointing import RunState, StepLog, ValLog, save, start_or_resume
 from selfdraft.training.distributed import Distributed
-from selfdraft.training.optim import lr_at
+from selfdraft.training.optim import lr_at, start_optimizer
 from selfdraft.training.strategy import STRATEGIES, Batch, LossOutput, Strategy
 
 if TYPE_CHECKING:
@@ -211,10 +211,14 @@ def _train(target, drafter_cfg, train_cfg, out_dir, strategy, resume, on_step, d
     plan = _plan(target, drafter_cfg, train_cfg, strategy)
     cfg, seqs, n_train = plan.cfg, plan.train_seqs, len(plan.train_seqs)
 
-    # 2. Build the drafter (float32 master weights; autocast runs it in bf16) and AdamW, or resume both.
+    # 2. Set the run up, in order: (a) where it begins: a fresh drafter (float32 master weights; autocast
+    #    runs it in bf16), warm-started with init_from, or the saved run restored exactly; (b) data
+    #    parallel: the module whose forward(batch, gen) is strategy.loss (DDP / FSDP / plain); (c) AdamW
+    #    over the parameters as wrapped (FSDP shards them) and the schedule, a resumed run's state loaded.
     run = start_or_resume(target, plan.strategy, cfg, train_cfg, out_dir, resume, n_train, dist)
+    wrapped = dist.wrap(run.model, plan.strategy, target, cfg)
+    start_optimizer(run, train_cfg, dist)
     resumed_from, model = run.step, run.model
-    wrapped = dist.attach(run, plan.strategy, target, cfg, train_cfg)  # forward(batch, gen) = strategy.loss
     autocast = torch.autocast(target.model.device.type, dtype=torch.bfloat16, enabled=train_cfg.bf16)
     bar = _progress_bar(run, train_cfg, cfg.method, dist)
     while not _finished(run, train_cfg):

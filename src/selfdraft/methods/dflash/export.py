@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from selfdraft.export import LAYER_RULES, SPECULATORS_KEY, MethodMap, aux_ids, feature_layers_of, proposal_tokens
+from selfdraft.export import LAYER_RULES, SPECULATORS_KEY, aux_ids, feature_layers_of, proposal_tokens
+from selfdraft.methods import MethodMap
 from selfdraft.methods.dflash.config import DFlashConfig
 
 if TYPE_CHECKING:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from selfdraft.export import CheckpointError, MethodMap
+from selfdraft.export import CheckpointError
+from selfdraft.methods import MethodMap
 from selfdraft.methods.dflash import export as dflash
 from selfdraft.methods.dspark.config import DSparkConfig
 

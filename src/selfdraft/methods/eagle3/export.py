@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from selfdraft.export import CheckpointError, MethodMap, aux_ids, feature_layers_of, proposal_tokens
+from selfdraft.export import CheckpointError, aux_ids, feature_layers_of, proposal_tokens
+from selfdraft.methods import MethodMap
 from selfdraft.methods.eagle3.config import Eagle3Config, eagle3_feature_layers
 
 if TYPE_CHECKING:

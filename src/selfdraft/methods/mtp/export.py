@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from selfdraft.export import MethodMap, proposal_tokens
+from selfdraft.export import proposal_tokens
+from selfdraft.methods import MethodMap
 from selfdraft.methods.mtp.config import MTPConfig
 
 if TYPE_CHECKING:
