@@ -388,16 +388,19 @@ HTTPServer(("127.0.0.1", int(argv[argv.index("--port") + 1])), H).serve_forever(
 V = 96  # tiny_llama's vocabulary
 
 
+# DSpark's default first-draft inputs have no vLLM / llama.cpp counterpart: an exportable DSpark turns them off
+VLLM_BLOCK = dict(dense_first=False, context_residual=False, context_next_token=False)
 CONFIGS = {  # every exported method in vLLM's layout; small but with every head switched on
     "eagle3": dict(method="eagle3", gamma=4, draft_vocab_size=64, feature_layers=(0, 1, 2)),  # vLLM's Llama EAGLE-3 fuses 3
     "eagle3-full": dict(method="eagle3", gamma=3, draft_vocab_size=0, feature_layers=(0, 1, 2)),
     "dflash": dict(method="dflash", gamma=4, num_layers=2, anchor_as_first=False, qk_norm=True, mask_token_id=V - 1),
-    "dspark": dict(method="dspark", gamma=4, markov_rank=8, markov_head="rnn", qk_norm=True, mask_token_id=7),
-    "dspark-gated": dict(method="dspark", gamma=4, markov_rank=8, markov_head="gated", qk_norm=True, mask_token_id=V - 1),
-    "dspark-vanilla": dict(method="dspark", gamma=3, markov_rank=8, qk_norm=True, mask_token_id=0),
+    "dspark": dict(method="dspark", gamma=4, markov_rank=8, markov_head="rnn", qk_norm=True, mask_token_id=7, **VLLM_BLOCK),
+    "dspark-gated": dict(method="dspark", gamma=4, markov_rank=8, markov_head="gated", qk_norm=True, mask_token_id=V - 1,
+                         **VLLM_BLOCK),
+    "dspark-vanilla": dict(method="dspark", gamma=3, markov_rank=8, qk_norm=True, mask_token_id=0, **VLLM_BLOCK),
     "mtp": dict(method="mtp", gamma=3, qk_norm=True, mtp_normed_handoff=True),
     # stored in bf16 like the shipped drafters, for a float32 target whose LM-head rows bf16 would round
-    "dspark-bf16": dict(method="dspark", gamma=3, markov_rank=8, qk_norm=True, mask_token_id=3),
+    "dspark-bf16": dict(method="dspark", gamma=3, markov_rank=8, qk_norm=True, mask_token_id=3, **VLLM_BLOCK),
 }
 
 

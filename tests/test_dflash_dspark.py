@@ -157,8 +157,8 @@ def test_teacher_forced_markov_equals_serial(target, head, rank):
                          [("dflash", False, False, False), ("dspark", True, False, False), ("dflash", False, True, False),
                           ("dspark", True, True, False), ("dspark", True, False, True), ("dspark", True, True, True)])
 def test_training_blocks_equal_inference(target, method, anchor_as_first, residual, next_token):
-    model, cfg = make(method, target, gamma=4, anchor_as_first=anchor_as_first, anchors_per_seq=64,
-                      context_residual=residual, context_next_token=next_token)
+    model, cfg = make(method, target, gamma=4, anchor_as_first=anchor_as_first, anchors_per_seq=64, dense_first=False,
+                      context_residual=residual, context_next_token=next_token)  # dense_first: the next test
     batch = make_batch(target, B=1)
     with torch.no_grad():
         tf = teacher_forced_blocks(model, batch, target, cfg, torch.Generator().manual_seed(0))
@@ -691,9 +691,10 @@ def test_warm_start_adds_the_context_inputs_at_zero(target, tmp_path):
     from selfdraft.checkpoint import provenance, save_checkpoint
     from selfdraft.training.checkpointing import warm_start
 
-    old, cfg1 = make("dspark", target, gamma=4, markov_rank=8)
+    old, cfg1 = make("dspark", target, gamma=4, markov_rank=8, dense_first=False, context_residual=False, context_next_token=False)
     save_checkpoint(tmp_path / "old", old, cfg1, target, provenance("test", 0, 0))
-    new, cfg2 = make("dspark", target, seed=2, gamma=4, markov_rank=8, context_residual=True, context_next_token=True)
+    new, cfg2 = make("dspark", target, seed=2, gamma=4, markov_rank=8, dense_first=False, context_residual=True,
+                     context_next_token=True)
     warm_start(new, cfg2, target, str(tmp_path / "old"))
     assert torch.count_nonzero(new.slot_context.weight) == 0 and torch.count_nonzero(new.next_token.weight) == 0
 

@@ -24,7 +24,7 @@ from selfdraft.methods import drafter_config
 from selfdraft.target import Target, TargetStep
 from selfdraft.training.strategy import STRATEGIES
 from selfdraft.vocab import DraftVocab
-from tests.helpers import CONFIGS, DRAFT_VOCAB, V, _randomise, make_checkpoint, tiny_llama  # noqa: F401
+from tests.helpers import CONFIGS, DRAFT_VOCAB, VLLM_BLOCK, V, _randomise, make_checkpoint, tiny_llama  # noqa: F401
 
 @pytest.fixture(scope="module")
 def target() -> Target:
@@ -128,14 +128,17 @@ def test_mask_token_id_uses_the_targets_frozen_embedding_row(target):
 
 
 REFUSED = {  # drafters vLLM would not run as trained -> the config values the message must ask for
-    "dspark-old": (dict(method="dspark", gamma=4, markov_rank=8), {"qk_norm": True, "mask_token_id": V - 1}),
+    "dspark-old": (dict(method="dspark", gamma=4, markov_rank=8, **VLLM_BLOCK), {"qk_norm": True, "mask_token_id": V - 1}),
+    "dspark-default": (dict(method="dspark", gamma=4, markov_rank=8, qk_norm=True, mask_token_id=V - 1),
+                       {"context_next_token": False, "dense_first": False, "context_residual": False}),
     "dflash-learned-mask": (dict(method="dflash", gamma=4, anchor_as_first=False, qk_norm=True), {"mask_token_id": V - 1}),
     "mtp-deepseek": (dict(method="mtp", gamma=3, mtp_modules=2, qk_norm=True), {"mtp_modules": 1, "mtp_normed_handoff": True}),
     "mtp-no-qk": (dict(method="mtp", gamma=1), {"qk_norm": True}),
     "dspark-context-residual": (dict(method="dspark", gamma=4, markov_rank=8, qk_norm=True, mask_token_id=V - 1,
-                                     context_residual=True, context_next_token=True),
+                                     **{**VLLM_BLOCK, "context_residual": True, "context_next_token": True}),
                                 {"context_next_token": False, "context_residual": False}),
-    "dspark-dense-first": (dict(method="dspark", gamma=4, markov_rank=8, qk_norm=True, mask_token_id=V - 1, dense_first=True),
+    "dspark-dense-first": (dict(method="dspark", gamma=4, markov_rank=8, qk_norm=True, mask_token_id=V - 1,
+                                **{**VLLM_BLOCK, "dense_first": True}),
                            {"dense_first": False}),
     "eagle3-two-layers": (dict(method="eagle3", gamma=3, feature_layers=(0, 2)), {"feature_layers": [0, 1, 2]}),
 }

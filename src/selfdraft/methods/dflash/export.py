@@ -39,6 +39,7 @@ def from_fields(spec: dict, target: "Target") -> dict:
         anchor_as_first=anchor_first,
         feature_layers=feature_layers_of(spec, "aux_hidden_state_layer_ids", target),
         num_layers=int((spec.get("transformer_layer_config") or {}).get("num_hidden_layers", 1)),
+        context_residual=False, context_next_token=False, dense_first=False,  # vLLM's layout has none of them
     )
 
 
