@@ -59,9 +59,9 @@ def test_cli_generate_json(embedded_fp32):
 
 def test_shipped_dspark_drafter_is_lossless(embedded_fp32):
     """The committed checkpoint loads onto the embedded target and its greedy output is the target's."""
-    from selfdraft.cli.generate import SHIPPED_DSPARK
+    from selfdraft.cli.common import SHIPPED
 
-    drafter = load_drafter(str(SHIPPED_DSPARK), embedded_fp32)
+    drafter = load_drafter(str(SHIPPED / "dspark"), embedded_fp32)
     ids = embedded_fp32.encode_prompt(PROMPTS[1])
     cfg = GenerationConfig(max_new_tokens=40)
     spec = generate(embedded_fp32, drafter, ids, SamplingParams(), cfg)

@@ -230,6 +230,23 @@ def test_demo_first_line_is_the_speedup(chat_target_dir):
     assert stdout[0].startswith("speedup ") and "ngram" in stdout[0] and "--- prompt ---" in res.stdout
 
 
+def test_auto_drafter_is_the_shipped_hybrid_on_the_embedded_target_only(chat_target_dir, monkeypatch, tmp_path):
+    """`--drafter auto` (demo, generate and serve's default): hybrid over the shipped DSpark where it fits the
+    target (the embedded one, in a checkout that has it), training-free ngram everywhere else; a named drafter
+    passes through."""
+    from selfdraft.cli import common
+
+    embedded, other = common.TargetOptions(), common.TargetOptions(target=str(chat_target_dir))
+    assert common.resolve_drafter("auto", embedded) == "hybrid:" + str(common.SHIPPED / "dspark")
+    assert (common.SHIPPED / "dspark" / "config.json").exists()  # so the line above names a real drafter
+    assert common.resolve_drafter("auto", other) == "ngram"
+    assert common.resolve_drafter("suffix", embedded) == "suffix"
+    monkeypatch.setattr(common, "SHIPPED", tmp_path)  # an install without checkpoints/
+    assert common.resolve_drafter("auto", embedded) == "ngram"
+    res = CliRunner().invoke(app, ["demo", "--target", str(chat_target_dir), "-n", "4", "--dtype", "float32", "--threads", "1"])
+    assert res.exit_code == 0 and "ngram" in res.stdout.splitlines()[0], res.output
+
+
 # ------------------------------------------------------------------ 7. --final-only keeps the weights alone
 def test_train_final_only_drops_the_trainer_state(toy_method, target_dir, tmp_path):
     data = write_dataset(tmp_path / "data")

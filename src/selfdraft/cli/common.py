@@ -9,6 +9,7 @@ import inspect
 import json
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import typer
@@ -96,6 +97,24 @@ def check_gamma(gamma: int) -> None:
     """γ = 0 drafts nothing: plain decoding under another name. Say how to ask for that instead."""
     if gamma < 1:
         raise ConfigError(f"--gamma must be >= 1 (draft tokens per round), got {gamma}; for plain decoding use --drafter none")
+
+
+# The shipped drafters, in a repository checkout (an editable install); absent from a wheel.
+SHIPPED = Path(__file__).resolve().parents[3] / "checkpoints"
+# The fastest drafter on the bundled bench with the machine's own costs (BENCHMARKS.md#which-drafter): suffix
+# trees or the shipped DSpark, chosen per round; ngram where no trained drafter fits the target.
+AUTO_DRAFTER = "hybrid:" + str(SHIPPED / "dspark")
+DrafterOpt = typer.Option(
+    "auto", "--drafter", "-d", help="auto (the embedded target: hybrid drafting over the shipped DSpark, the fastest on the "
+    "bundled bench; another target: ngram) | none | ngram | suffix | suffix+tree | a checkpoint dir | hybrid[+RULE]:DIR "
+    "(suffix + a trained drafter, docs/methods/hybrid.md) | tree:DIR")
+
+
+def resolve_drafter(drafter: str, options: "TargetOptions") -> str:
+    """`auto` -> the drafter to run: the shipped hybrid on the embedded target, else training-free ngram."""
+    if drafter != "auto":
+        return drafter
+    return AUTO_DRAFTER if options.target is None and (SHIPPED / "dspark").is_dir() else "ngram"
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from typing import Optional
 import typer
 
 from selfdraft.cli.common import (
+    DrafterOpt,
     GammaOpt,
     SchedulerOpt,
     TargetOptions,
@@ -18,6 +19,7 @@ from selfdraft.cli.common import (
     command,
     default_of,
     note,
+    resolve_drafter,
     with_suffix_options,
     with_target_options,
 )
@@ -54,8 +56,7 @@ def generate(
     suffix,
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="prompt text"),
     prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", help="file holding the prompt"),
-    drafter: str = typer.Option("ngram", "--drafter", "-d", help="none | ngram | suffix | suffix+tree | a checkpoint dir | "
-                                "hybrid[+RULE]:DIR (suffix + a trained drafter, docs/methods/hybrid.md)"),
+    drafter: str = DrafterOpt,
     chat: bool = typer.Option(True, "--chat/--no-chat", help="wrap the prompt in the chat template"),
     max_new_tokens: int = typer.Option(default_of(GenerationConfig, "max_new_tokens"), "--max-new-tokens", "-n"),
     gamma: int = GammaOpt,
@@ -79,6 +80,7 @@ def generate(
     check_gamma(gamma)
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, gamma=gamma)
+    drafter = resolve_drafter(drafter, target_options)
     tgt = target_options.load(gamma)
     draft = load_drafter(drafter, tgt, suffix=suffix)
     sched = scheduler_for(scheduler, tgt, draft, gamma, log=note)
@@ -121,7 +123,6 @@ def result_json(target, res) -> dict:
     }
 
 
-SHIPPED_DSPARK = Path(__file__).resolve().parents[3] / "checkpoints" / "dspark"  # repo checkout (editable install)
 DEMO_PROMPT = (
     "Here is a Python function:\n\n```python\ndef moving_average(values, window):\n"
     "    result = []\n    for i in range(len(values) - window + 1):\n"
@@ -133,9 +134,7 @@ DEMO_PROMPT = (
 @with_target_options(compile=True)
 def demo(
     target_options: TargetOptions,
-    drafter: str = typer.Option(
-        "auto", "--drafter", "-d", help=f"auto = the shipped DSpark drafter ({SHIPPED_DSPARK}) if present, else ngram"
-    ),
+    drafter: str = DrafterOpt,
     max_new_tokens: int = typer.Option(192, "--max-new-tokens", "-n"),
     scheduler: str = SchedulerOpt,
 ) -> None:
@@ -147,8 +146,7 @@ def demo(
     from selfdraft.profile import scheduler_for
 
     torch.manual_seed(0)
-    if drafter == "auto":
-        drafter = str(SHIPPED_DSPARK) if (target_options.target is None and SHIPPED_DSPARK.is_dir()) else "ngram"
+    drafter = resolve_drafter(drafter, target_options)
     tgt = target_options.load()
     draft, plain = load_drafter(drafter, tgt), load_drafter("none", tgt)
     ids = tgt.encode_prompt(DEMO_PROMPT)

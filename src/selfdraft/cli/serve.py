@@ -12,6 +12,7 @@ from typing import Optional
 import typer
 
 from selfdraft.cli.common import (
+    DrafterOpt,
     GammaOpt,
     SchedulerOpt,
     TargetOptions,
@@ -19,6 +20,7 @@ from selfdraft.cli.common import (
     check_gamma,
     command,
     note,
+    resolve_drafter,
     with_suffix_options,
     with_target_options,
 )
@@ -38,8 +40,7 @@ def register(app: typer.Typer) -> None:
 def serve_cmd(
     target_options: TargetOptions,
     suffix,
-    drafter: str = typer.Option("ngram", "--drafter", "-d", help="none | ngram | suffix | suffix+tree | a checkpoint dir | "
-                                "hybrid[+RULE]:DIR; suffix drafters share one global tree over the served responses"),
+    drafter: str = DrafterOpt,  # suffix drafters share one global tree over the served responses
     scheduler: str = SchedulerOpt,
     threshold: Optional[float] = ThresholdOpt,
     host: str = typer.Option("127.0.0.1", "--host", help="bind address (loopback by default; another one warns without an API key)"),
@@ -74,6 +75,7 @@ def serve_cmd(
     if api_key is None and not is_loopback(host):
         note(f"warning: serving on {host} without an API key: anyone who can reach it can use it "
              "(set SELFDRAFT_API_KEY or --api-key)")
+    drafter = resolve_drafter(drafter, target_options)
     tgt = target_options.load()
     make = drafter_factory(drafter, tgt, suffix=suffix)
     batch = max_batch or max_concurrency
