@@ -19,7 +19,7 @@ from selfdraft.training.synthesize.domains import DOMAINS, resolve_domains
 from selfdraft.training.synthesize.gates import GateCounts, PromptGates, is_garbage, is_language
 from selfdraft.training.synthesize.loop import LOG, ChatTemplate, SynthesisLog, synthesize
 from selfdraft.training.synthesize.neardup import NearDupIndex, normalize
-from selfdraft.training.synthesize.references import eval_prompts, excluded_prompts
+from selfdraft.training.synthesize.references import eval_prompts, excluded_prompts, excluded_turns
 from tests.helpers import tiny_llama
 
 EMBEDDED_DIR = cache_root() / "targets" / "smollm2-135m-instruct"
@@ -146,6 +146,14 @@ def test_references_read_datasets_ledgers_and_eval_dirs(tmp_path):
     ledger.write_text(json.dumps({"records": ["synth-chat:0123456789abcdef"]}))
     with pytest.raises(DataError, match="cannot be read here"):
         excluded_prompts(str(ledger))
+    # the synthesized source's own directory beside the ledger covers it (the campaign's exclude after a
+    # segment on synthesized prompts): read from the directory, not by name
+    ShardWriter(tmp_path / "synth").write([{"id": "0123456789abcdef", "split": "train", "source": "synth-chat",
+                                            "input_ids": [1], "loss_mask": [1],
+                                            "messages": [{"role": "user", "content": "Q synth"}, {"role": "assistant", "content": "A"}]}])
+    assert excluded_turns([str(ledger), str(tmp_path / "synth"), str(src)]) == ["Q synth", "first", "second"]
+    with pytest.raises(DataError, match="cannot be read here"):
+        excluded_turns([str(ledger), str(tmp_path / "ds")])  # a directory of another source does not cover it
     evals = tmp_path / "evalsets"
     (evals / "sub").mkdir(parents=True)
     (evals / "sub" / "x.jsonl").write_text(json.dumps({"turns": ["an eval question"]}) + "\n")

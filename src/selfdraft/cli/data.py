@@ -168,7 +168,7 @@ def data_synthesize(
     from selfdraft.training.synthesize.gates import PromptGates
     from selfdraft.training.synthesize.loop import synthesize
     from selfdraft.training.synthesize.neardup import NearDupIndex
-    from selfdraft.training.synthesize.references import eval_prompts, excluded_prompts
+    from selfdraft.training.synthesize.references import eval_prompts, excluded_turns
 
     # 1. everything that can be wrong with the input, before the target loads
     domains = resolve_domains(domain, topics, system)
@@ -181,7 +181,7 @@ def data_synthesize(
     t0 = time.perf_counter()
     eval_texts, eval_labels = eval_prompts(exclude_prompts)
     eval_index = NearDupIndex(eval_texts, near_dup, gate_cfg.ngram, eval_labels)
-    excluded = [t for spec in exclude for t in excluded_prompts(spec)]
+    excluded = excluded_turns(list(exclude))
     dedup = NearDupIndex(excluded, near_dup, gate_cfg.ngram)
     note(f"gates: {len(eval_texts)} evaluation prompts, {len(excluded)} excluded prompts indexed in "
          f"{time.perf_counter() - t0:.0f}s")
@@ -227,9 +227,9 @@ def data_overlap(
     from selfdraft.training.synthesize.gates import near_duplicate_share
     from selfdraft.training.synthesize.loop import OVER_LIMIT, SynthesisLog
     from selfdraft.training.synthesize.neardup import NearDupIndex
-    from selfdraft.training.synthesize.references import excluded_prompts
+    from selfdraft.training.synthesize.references import excluded_turns
 
-    reference = NearDupIndex([t for spec in against for t in excluded_prompts(spec)], near_dup)
+    reference = NearDupIndex(excluded_turns(list(against)), near_dup)
     groups = {"records": [next(m["content"] for m in r["messages"] if m["role"] == "user") for r in iter_records(data)
                           if any(m["role"] == "user" for m in r["messages"])]}
     log = SynthesisLog(data)
