@@ -116,6 +116,12 @@ def knob(default: Any, help: str, *flags: str) -> Any:
     return dataclasses.field(default=default, metadata={"help": help, "flags": flags})
 
 
+def redefault(parent: type, name: str, default: Any) -> Any:
+    """A parent config's knob with another default (a method that shares the field but not its default):
+    the help and the option's spelling stay the parent's, written once."""
+    return dataclasses.field(default=default, metadata=parent.__dataclass_fields__[name].metadata)
+
+
 @dataclass
 class DrafterConfig:
     """What every trained drafter's config holds. Each method's config (selfdraft/methods/NAME/config.py)

@@ -101,9 +101,6 @@ def check_gamma(gamma: int) -> None:
 
 # The shipped drafters, in a repository checkout (an editable install); absent from a wheel.
 SHIPPED = Path(__file__).resolve().parents[3] / "checkpoints"
-# The fastest drafter on the bundled bench with the machine's own costs (BENCHMARKS.md#which-drafter): suffix
-# trees or the shipped DSpark, chosen per round; ngram where no trained drafter fits the target.
-AUTO_DRAFTER = "hybrid:" + str(SHIPPED / "dspark")
 DrafterOpt = typer.Option(
     "auto", "--drafter", "-d", help="auto (the embedded target: hybrid drafting over the shipped DSpark, the fastest on the "
     "bundled bench; another target: ngram) | none | ngram | suffix | suffix+tree | a checkpoint dir | hybrid[+RULE]:DIR "
@@ -111,10 +108,13 @@ DrafterOpt = typer.Option(
 
 
 def resolve_drafter(drafter: str, options: "TargetOptions") -> str:
-    """`auto` -> the drafter to run: the shipped hybrid on the embedded target, else training-free ngram."""
+    """`auto` -> the drafter to run: on the embedded target the fastest on the bundled bench with the machine's
+    own costs (BENCHMARKS.md#which-drafter), suffix trees or the shipped DSpark chosen per round; else
+    training-free ngram (no trained drafter fits another target)."""
     if drafter != "auto":
         return drafter
-    return AUTO_DRAFTER if options.target is None and (SHIPPED / "dspark").is_dir() else "ngram"
+    dspark = SHIPPED / "dspark"
+    return f"hybrid:{dspark}" if options.target is None and dspark.is_dir() else "ngram"
 
 
 @dataclass(frozen=True)

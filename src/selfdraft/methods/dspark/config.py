@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from selfdraft.config import ConfigError, knob
+from selfdraft.config import ConfigError, knob, redefault
 from selfdraft.methods.dflash.config import DFlashConfig
 
 
@@ -16,9 +16,9 @@ class DSparkConfig(DFlashConfig):
     # The first-draft recipe is DSpark's default (docs/bench/first-draft-recipe: from random init it lifts acc@1
     # 0.217 -> 0.240 and τ on every bundled set at 150k tokens). The vLLM and llama.cpp exports refuse these
     # three inputs: --no-dense-first --no-context-residual --no-context-next-token trains the exportable layout.
-    context_residual: bool = knob(True, "add the fused context of the position before the anchor to every block slot's input")
-    context_next_token: bool = knob(True, "add the embedding of the token after each context position to its fused context")
-    dense_first: bool = knob(True, "first slot sees only the context and itself; train it at every position")
+    context_residual: bool = redefault(DFlashConfig, "context_residual", True)
+    context_next_token: bool = redefault(DFlashConfig, "context_next_token", True)
+    dense_first: bool = redefault(DFlashConfig, "dense_first", True)
     markov_rank: int = knob(64, "Markov head rank r (paper 256; 0 = no Markov head)")
     markov_head: str = knob("vanilla", "Markov head: vanilla | gated | rnn")
     confidence_head: bool = knob(True, "train the confidence head c_k (the scheduler reads it)")

@@ -50,11 +50,14 @@ def excluded_turns(specs: list[str]) -> list[str]:
     """The user turns of every --exclude: dataset directories, campaign ledgers and prompt sources. A source
     a ledger names is read by name unless one of the dataset directories holds its records (a synthesized
     source has no name to read it by: its directory is the way to exclude it)."""
-    dirs = [Path(s).expanduser() for s in specs if Path(s).expanduser().is_dir()]
-    records = [r for d in dirs for r in iter_records(d)]
+    paths = [Path(s).expanduser() for s in specs]
+    records = [r for p in paths if p.is_dir() for r in iter_records(p)]
     held = {r["source"] for r in records}
-    turns = [m["content"] for r in records for m in r["messages"] if m["role"] == "user"]
-    return turns + [t for s in specs if not Path(s).expanduser().is_dir() for t in excluded_prompts(s, held)]
+    return _user_turns(records) + [t for s, p in zip(specs, paths) if not p.is_dir() for t in excluded_prompts(s, held)]
+
+
+def _user_turns(records) -> list[str]:
+    return [m["content"] for r in records for m in r["messages"] if m["role"] == "user"]
 
 
 def excluded_prompts(spec: str, held: set[str] = frozenset()) -> list[str]:
@@ -63,11 +66,11 @@ def excluded_prompts(spec: str, held: set[str] = frozenset()) -> list[str]:
     their directories), or a prompt source."""
     path = Path(spec).expanduser()
     if path.is_dir():
-        return [m["content"] for r in iter_records(path) for m in r["messages"] if m["role"] == "user"]
+        return _user_turns(iter_records(path))
     if path.suffix == ".json" and path.is_file():
         obj = json.loads(path.read_text())
         if isinstance(obj, dict) and "records" in obj:
-            sources = sorted({k.rpartition(":")[0] for k in obj["records"]} - set(held))
+            sources = sorted({k.rpartition(":")[0] for k in obj["records"]} - held)
             return [t for s in sources for t in _source_turns(s, ledger=path)]
     return _source_turns(spec)
 
