@@ -320,7 +320,10 @@ def test_scheduler_for_auto_measures_once_and_picks_by_drafter(tmp_path, monkeyp
     from selfdraft.loader import load_drafter
     from selfdraft.profile import profile_path, scheduler_for
 
+    import selfdraft.profile as profile_mod
+
     monkeypatch.setenv("SELFDRAFT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(profile_mod, "busy_cpu_seconds", lambda: None)  # whatever else runs beside the test
     target = Target(tiny_llama(vocab=32, hidden=16, layers=2))
     conf = AppendixADrafter(32, m=0)
     conf.gives_confidences = True
@@ -333,9 +336,7 @@ def test_scheduler_for_auto_measures_once_and_picks_by_drafter(tmp_path, monkeyp
     assert profile_path(target, target.profile_key).exists()
     assert scheduler_for("hardware", target, conf, 3, log=logs.append).cost == s.cost and len(logs) == 1  # reused
     # bench prices on the machine as it is: a table stored by another process is measured again, once
-    import selfdraft.profile as profile_mod
-
-    monkeypatch.setattr(profile_mod, "_MEASURED_HERE", set())
+    monkeypatch.setattr(profile_mod, "_MEASURED_HERE", {})
     scheduler_for("hardware", target, conf, 3, log=logs.append, fresh=True)
     scheduler_for("hardware", target, conf, 3, log=logs.append, fresh=True)
     assert len(logs) == 2
@@ -343,6 +344,49 @@ def test_scheduler_for_auto_measures_once_and_picks_by_drafter(tmp_path, monkeyp
     assert scheduler_for("auto", target, ngram, 3).kind == "hardware"  # one request: its own past acceptance
     with pytest.raises(ConfigError, match="scheduler must be"):
         scheduler_for("bogus", target, conf, 3)
+
+
+def test_a_stored_profile_is_measured_again_on_another_machine_or_when_it_was_taken_beside_other_work(tmp_path, monkeypatch):
+    """The cost table follows the machine: one stored by another CPU, or timed while other processes held
+    the cores, is measured again when next needed; the quieter of the two is kept and priced with."""
+    import selfdraft.profile as profile_mod
+    from selfdraft.profile import OTHER_WORK_LIMIT, cost_table_for, load_profile, profile_path
+
+    monkeypatch.setenv("SELFDRAFT_CACHE", str(tmp_path / "cache"))
+    target = Target(tiny_llama(vocab=32, hidden=16, layers=2))
+    path = profile_path(target, target.profile_key)
+    others = iter([])  # cores of other work each measurement sees, set per step below
+
+    def busy_readings():  # /proc/stat as measure_sps reads it: before, then after the timed forwards
+        state = {"t": 0.0}
+
+        def read():
+            state["t"] += 1e6 * next(others) if state["t"] else 1.0  # a huge jump: other work over any wall time
+            return state["t"]
+        return read
+
+    def measure(*work, fresh=False):
+        nonlocal others
+        others = iter(work)
+        monkeypatch.setattr(profile_mod, "busy_cpu_seconds", busy_readings())
+        logs: list[str] = []
+        cost_table_for(target, 3, log=logs.append, fresh=fresh)
+        return logs
+
+    assert len(measure(0)) == 1 and load_profile(target, target.profile_key).other_cores == 0  # quiet: stored
+    assert measure() == []  # reused: nothing measured
+    prof = load_profile(target, target.profile_key)
+    path.write_text(path.read_text().replace(prof.machine, "x86_64 Some Other CPU 64 cpus"))
+    assert "measured on x86_64 Some Other CPU" in measure(0)[0]  # another machine's table: measured again
+    assert load_profile(target, target.profile_key).machine == prof.machine
+    assert measure() == []
+    monkeypatch.setattr(profile_mod, "_MEASURED_HERE", {})
+    busy = measure(1, fresh=True)  # bench on a busy machine prices with its own table but keeps the quiet one
+    assert "cores busy" in busy[0] and load_profile(target, target.profile_key).other_cores == 0
+    path.write_text(path.read_text().replace('"other_cores": 0.0', '"other_cores": 3.0'))
+    assert "beside other work" in measure(5)[0] and load_profile(target, target.profile_key).other_cores == 3.0  # busier now: kept
+    assert "beside other work" in measure(0)[0] and load_profile(target, target.profile_key).other_cores == 0  # quiet: replaced
+    assert measure() == [] and OTHER_WORK_LIMIT < 1
 
 
 def test_online_admission_equals_algorithm1_and_threshold_for_one_request():

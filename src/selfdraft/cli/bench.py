@@ -90,7 +90,7 @@ def profile_cmd(
     print it and plot it; with --engine, also serve prompts at each concurrency with each scheduler."""
     from selfdraft.bench import load_prompt_set
     from selfdraft.engine import drafter_factory, engine_throughput
-    from selfdraft.profile import (QUICK_REPEATS, geometric_batch_tokens, load_profile, measure_sps, plot_profile,
+    from selfdraft.profile import (OTHER_WORK_LIMIT, QUICK_REPEATS, geometric_batch_tokens, load_profile, measure_sps, plot_profile,
                                    profile_path, save_profile)
 
     if engine is not None:
@@ -105,6 +105,9 @@ def profile_cmd(
         prof = load_profile(tgt, tgt.profile_key)
     print(prof.table())
     print(f"-> {path} (+ .png)", file=sys.stderr)
+    if (prof.other_cores or 0) > OTHER_WORK_LIMIT:
+        print(f"warning: other processes kept {prof.other_cores:.1f} cores busy while this table was timed; the "
+              "scheduler measures it again when the machine is quieter", file=sys.stderr)
     if engine is None:
         return
     ids = load_prompt_set(prompts, num_prompts).encode(tgt)
