@@ -685,6 +685,48 @@ def test_warm_start_grows_new_layers_as_the_identity(target, method, tmp_path):
         warm_start(make(method, target, gamma=4, markov_rank=8, num_layers=1)[0], cfg1, target, str(tmp_path / "two"))
 
 
+def test_a_warm_starts_new_parameters_train_at_new_lr_and_keep_it_on_resume(target, tmp_path, monkeypatch):
+    """--new-lr: the layer a warm start grows, and only it, trains at new_lr on the run's schedule (a second
+    AdamW group); a resumed run rebuilds the same split from trainer_state.pt; without new_lr one group."""
+    from selfdraft.config import TrainConfig
+    from selfdraft.training.checkpointing import STATE_FILE
+    from selfdraft.training.optim import lr_at
+    from selfdraft.training.trainer import train
+    from tests.toy_training import write_dataset
+
+    seen: list[list[tuple[int, float]]] = []  # per optimizer step: (parameters, lr) of each group
+    real_step = torch.optim.AdamW.step
+    monkeypatch.setattr(torch.optim.AdamW, "step", lambda opt, *a, **kw: seen.append(
+        [(len(g["params"]), g["lr"]) for g in opt.param_groups]) or real_step(opt, *a, **kw))
+
+    def killed_after_step_2(log):
+        if log.step == 2:
+            raise KeyboardInterrupt  # saved at step 2 (save_every 1) just before
+
+    data = write_dataset(tmp_path / "data")
+    cfg1 = methods.get("dspark").config(feature_layers=FEATS, gamma=2, markov_rank=4, num_layers=1, anchors_per_seq=4)
+    tcfg = TrainConfig(data=str(data), steps=2, batch_size=2, max_seq_len=32, val_every=0, save_every=0, bf16=False,
+                       lr=1e-4, warmup_steps=1)
+    train(target, cfg1, tcfg, tmp_path / "one")
+    cfg2 = replace(cfg1, num_layers=2)
+    grow = replace(tcfg, steps=4, save_every=1, init_from=str(tmp_path / "one"), new_lr=2e-3)
+    seen.clear()
+    with pytest.raises(KeyboardInterrupt):
+        train(target, cfg2, grow, tmp_path / "two", on_step=killed_after_step_2)
+    new = torch.load(tmp_path / "two" / STATE_FILE, weights_only=True)["new_params"]
+    assert new and all(n.startswith("layers.1.") for n in new)  # the grown layer, nothing else
+    assert len(seen) == 2
+    for step, groups in enumerate(seen):
+        lr = lr_at(step, 0, grow)  # no token budget: the schedule follows the steps
+        assert groups[1][0] == len(new) and groups[0][1] == pytest.approx(lr) and groups[1][1] == pytest.approx(20 * lr)
+    seen.clear()
+    assert train(target, cfg2, grow, tmp_path / "two").resumed_from == 2
+    assert len(seen) == 2 and all(g[1] == (len(new), pytest.approx(20 * g[0][1])) for g in seen)
+    seen.clear()
+    train(target, cfg2, replace(grow, new_lr=0.0), tmp_path / "three")
+    assert seen and all(len(g) == 1 for g in seen)  # new_lr 0: the grown layer trains at lr, in one group
+
+
 def test_warm_start_adds_the_context_inputs_at_zero(target, tmp_path):
     """--init-from a drafter trained without context_residual / context_next_token into one with them:
     W_s and W_e start at zero, so the states equal the checkpoint's; either one non-zero (the controls) differs."""

@@ -60,7 +60,7 @@ echo "campaign: segment $DATA ($EPOCH tokens a epoch, budget $BUDGET) from $CKPT
 # --run $CKPT --data work/data/regen-v1 --out $CKPT/ledger.json). DSpark/DFlash: CE on the target's greedy token,
 # 64 anchors; LAYERS=2 grows the drafter by a layer that starts as the identity (training/checkpointing.py
 # warm_start); RECIPE=dense-first the first-draft layout (scripts/campaign/method_flags.sh; its new inputs start
-# at zero); W_KL=w adds the soft cross-entropy against p_t (docs/methods/dspark.md#training-loss). OUT=DIR names a run.
+# at zero; NEW_LR=r trains what a warm start adds, a grown layer or those inputs, at lr r); W_KL=w adds the soft cross-entropy against p_t (docs/methods/dspark.md#training-loss). OUT=DIR names a run.
 # bf16 autocast on a bf16 target: measured 211 vs 151 seq tok/s (fp32), 1 thread, AMD EPYC Zen 5 (avx512_bf16).
 # On a CPU without bf16 units pass BF16="--no-bf16 --dtype float32" (Zen 2: a bf16 matmul costs 40x an fp32 one).
 source scripts/campaign/method_flags.sh
@@ -70,6 +70,6 @@ case $METHOD in  # the campaign's labels: CE on the target's greedy token; DSpar
   dflash) ARGS+=(--ce-label "${CE_LABEL:-argmax}") ;;
 esac
 exec .venv/bin/selfdraft train --method "$METHOD" --data "$DATA" --init-from "$CKPT" --seed 0 --gamma 7 "${ARGS[@]}" \
-  --batch-size 2 --lr "${LR:-1e-4}" --max-seq-len "${MAXLEN:-512}" --warmup-steps 20 --steps 1000000 \
+  --batch-size 2 --lr "${LR:-1e-4}" ${NEW_LR:+--new-lr "$NEW_LR"} --max-seq-len "${MAXLEN:-512}" --warmup-steps 20 --steps 1000000 \
   --token-budget "$BUDGET" --val-every 250 --val-batches 10 --save-every "${SAVE_EVERY:-100}" \
   ${BF16:---bf16 --dtype bfloat16} --threads "${THREADS:-1}" --out "$OUT"

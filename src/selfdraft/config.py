@@ -175,9 +175,12 @@ class TrainConfig:
     # warm start: a fresh run begins from this checkpoint's drafter weights (same method and shapes);
     # the schedule, optimizer and data cursor start anew, and a loss draft vocabulary comes from `data`
     init_from: str = ""
+    # The parameters a warm start adds (a grown layer, W_s, W_e) start at zero output; at the campaign's lr 1e-4 a
+    # grown layer barely moved in a 152k-token segment (docs/bench/campaign). They train at new_lr (0 = lr).
+    new_lr: float = 0.0
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch_size < 1 or self.grad_accum < 1:
             raise ConfigError("steps, batch_size and grad_accum must be >= 1")
-        if self.lr <= 0:
-            raise ConfigError(f"lr must be > 0, got {self.lr}")
+        if self.lr <= 0 or self.new_lr < 0:
+            raise ConfigError(f"lr must be > 0 and new_lr >= 0 (0 = lr), got {self.lr} and {self.new_lr}")

@@ -39,6 +39,8 @@ TRAIN_OPTIONS: dict[str, tuple[tuple[str, ...] | None, str]] = {
     "init_from": (None, "warm start a fresh run from this checkpoint's drafter weights (same method and shapes, or more "
                         "--layers: new layers start as the identity; "
                         "new schedule and optimizer; the loss vocabulary comes from --data)"),
+    "new_lr": (None, "learning rate of the parameters a warm start adds (grown layers, W_s, W_e), on the same "
+                     "schedule (0 = --lr)"),
 }
 # TYPES maps a field's annotation (a string: config.py uses postponed annotations) to the option's type;
 # tuples of ints are given as comma lists.

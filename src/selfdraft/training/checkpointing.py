@@ -98,6 +98,7 @@ class RunState:
     saved: dict | None = None  # a resumed run's trainer_state.pt (its optimizer state and schedule origin)
     opt: torch.optim.AdamW | None = None  # built once the module is wrapped (FSDP replaces the parameters)
     origin: ScheduleOrigin = ScheduleOrigin()  # the learning-rate schedule's current segment
+    new_params: list[str] = field(default_factory=list)  # what a warm start added: they train at new_lr
 
 
 def start_or_resume(
@@ -116,24 +117,25 @@ def start_or_resume(
     if not (resume and (out_dir / CONFIG_FILE).exists()):
         model = strategy.build(cfg, target).to(device=target.model.device, dtype=torch.float32).train()
         strategy.prepare(model, cfg, target, train_cfg.data)  # data-dependent init (EAGLE-3 draft vocab)
-        if train_cfg.init_from:
-            warm_start(model, cfg, target, train_cfg.init_from)
-        return RunState(model, gen, DataCursor())
+        new = warm_start(model, cfg, target, train_cfg.init_from) if train_cfg.init_from else []
+        return RunState(model, gen, DataCursor(), new_params=new)
     state = check_resumable(out_dir, target, cfg, train_cfg, n_train)
     model = load_module(out_dir, target, dtype=torch.float32).model.to(target.model.device).train()  # with the target, as a fresh run's
     gen.set_state(state["generator"])
     torch.set_rng_state(state["torch_rng"])
     history, val = _read_log(out_dir / LOG_FILE, state["step"])
     cursor = DataCursor(state["epoch"], state["index"])
-    return RunState(model, gen, cursor, state["step"], state["tokens"], history, val, saved=state)
+    return RunState(model, gen, cursor, state["step"], state["tokens"], history, val, saved=state,
+                    new_params=state.get("new_params", []))
 
 
 # Buffers a warm start keeps from `prepare` (the new data's draft vocabulary), not from the checkpoint.
 DATA_BUFFERS = ("draft_ids",)
 
 
-def warm_start(model: torch.nn.Module, cfg: DrafterConfig, target: Target, src: str) -> None:
-    """Copy the trained weights of checkpoint `src` into the fresh `model` (same method, same shapes).
+def warm_start(model: torch.nn.Module, cfg: DrafterConfig, target: Target, src: str) -> list[str]:
+    """Copy the trained weights of checkpoint `src` into the fresh `model` (same method, same shapes)
+    -> the names of the parameters it added (they train at TrainConfig.new_lr).
 
     A DFlash or DSpark model with more decoder layers than `src` grows: the saved layers keep their
     places and each new one `layers.i` (i >= the saved count) starts as the identity of its pre-norm
@@ -167,6 +169,7 @@ def warm_start(model: torch.nn.Module, cfg: DrafterConfig, target: Target, src: 
           + ("; " + ", ".join(sorted({k.split(".")[0] for k in grown if k.startswith(NEW_AT_ZERO)})) + " start at zero"
              if any(k.startswith(NEW_AT_ZERO) for k in grown) else ""),
           file=sys.stderr)
+    return [name for name, _ in model.named_parameters() if name in grown]
 
 
 def save(run: RunState, out_dir: Path, target: Target, cfg: DrafterConfig, train_cfg: TrainConfig, n_train: int,
@@ -184,6 +187,7 @@ def save(run: RunState, out_dir: Path, target: Target, cfg: DrafterConfig, train
             "n_train": n_train, "train": asdict(train_cfg), "optimizer": opt_state,
             "generator": run.gen.get_state(), "torch_rng": torch.get_rng_state(), "world_size": dist.world,
             "schedule_origin": [run.origin.step, run.origin.tokens, run.origin.progress],
+            "new_params": run.new_params,
         }  # fmt: skip
         with atomic_dir(out_dir) as tmp:
             prov = provenance(train_cfg.data, run.step, run.tokens, train=asdict(train_cfg), world_size=dist.world)

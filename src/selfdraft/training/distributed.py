@@ -168,7 +168,7 @@ class Distributed:
         if self.fsdp:
             from torch.distributed.tensor import DTensor, distribute_tensor
 
-            params = [p for p in model.parameters() if p.requires_grad]  # the order _optimizer registered them in
+            params = [p for g in opt.param_groups for p in g["params"]]  # the optimizer's own numbering
             state = {}
             for i, st in saved["state"].items():
                 p = params[int(i)]

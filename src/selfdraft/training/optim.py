@@ -55,12 +55,18 @@ def lr_at(step: int, tokens: int, cfg: TrainConfig, origin: ScheduleOrigin = Sch
     return cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine)
 
 
-def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW over the drafter's trainable parameters only (the target is frozen and not a submodule)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, new_params: list[str] = ()) -> torch.optim.AdamW:
+    """AdamW over the drafter's trainable parameters only (the target is frozen and not a submodule):
+    one group at lr, and, when a warm start added parameters and cfg.new_lr is set, a second group of
+    those at new_lr (each group's `lr_scale` is its rate over the schedule's lr)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not named:
         raise ConfigError("the drafter module has no trainable parameters")
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    new = set(new_params) if cfg.new_lr else set()
+    groups = [{"params": [p for n, p in named if n not in new], "lr_scale": 1.0}]
+    if new:
+        groups.append({"params": [p for n, p in named if n in new], "lr_scale": cfg.new_lr / cfg.lr})
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
 
 
 def resumed_origin(saved: dict, cfg: TrainConfig) -> ScheduleOrigin:
@@ -79,7 +85,7 @@ def start_optimizer(run: "RunState", cfg: TrainConfig, dist: "Distributed") -> N
     """Give `run` its AdamW and schedule segment: fresh, or a resumed run's saved ones. Called once the
     module is wrapped (`Distributed.wrap`): FSDP replaces the parameters with shards, which the optimizer
     must hold, and the saved (full) optimizer state is sharded like them."""
-    run.opt = make_optimizer(run.model, cfg)
+    run.opt = make_optimizer(run.model, cfg, run.new_params)
     if run.saved is not None:
         dist.load_optimizer_state(run.model, run.opt, run.saved["optimizer"])
         run.origin = resumed_origin(run.saved, cfg)

@@ -226,7 +226,7 @@ def _train(target, drafter_cfg, train_cfg, out_dir, strategy, resume, on_step, d
         t0 = time.perf_counter()
         lr = lr_at(run.step, run.tokens, train_cfg, run.origin)
         for group in run.opt.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group["lr_scale"]  # a warm start's new parameters: new_lr on the same schedule
         step_tokens, outs = 0, []
         for micro in range(train_cfg.grad_accum):
             # Every rank advances the same global cursor and keeps its own slice of the global batch.
