@@ -3,7 +3,9 @@
 For every supervised position t of the split's conversations (teacher forced, one block per position):
 the target's own top-1 probability max p_t, and whether draft 1 equals the target's greedy token
 argmax p_t (what greedy verification accepts) and the data's token x_{t+1}. Reports the share of
-positions with max p_t > 0.5 and > 0.8 and acc@1 in each confidence bin (JSON + Markdown).
+positions with max p_t > 0.5 and > 0.8 and acc@1 in each confidence bin (JSON + Markdown), split by
+whether the position is a copy: the pair (x_t, argmax p_t) already occurred earlier in the same sequence,
+which an n-gram or suffix drafter would propose.
 
     python scripts/first_draft_gauge.py checkpoints/dspark --data data/regen --out gauge.json
 """
@@ -34,7 +36,7 @@ def gauge(ckpt: str, data: str, max_seq_len: int, batch_size: int, threads: int,
     if cfg.method not in ("dflash", "dspark"):
         raise SystemExit(f"error: {ckpt} is a {cfg.method} drafter; this gauge reads block drafters (dflash, dspark)")
     cfg = replace(cfg, anchors_per_seq=100_000, dense_first=False)  # a block at every position, no extra queries
-    p_top, hit_greedy, hit_data = [], [], []
+    p_top, hit_greedy, hit_data, copy = [], [], [], []
     seqs = load_sequences(data, "val", max_seq_len)[: limit or None]
     for i in range(0, len(seqs), batch_size):
         batch = make_batch(seqs[i : i + batch_size], target, cfg.feature_layers)
@@ -54,16 +56,27 @@ def gauge(ckpt: str, data: str, max_seq_len: int, batch_size: int, threads: int,
         p_top.append(p.max(-1).values)
         hit_greedy.append(pred == p.argmax(-1))
         hit_data.append(pred == tf.gold[tf.valid])
+        b = torch.arange(tf.src.shape[0])[:, None, None].expand_as(tf.src)[tf.valid]  # [N] sequence
+        copy.append(torch.tensor([seen_before(batch.input_ids[i, : t + 1].tolist(), int(g))
+                                  for i, t, g in zip(b.tolist(), tf.src[tf.valid].tolist(), p.argmax(-1))]))
     p_top, hit_greedy, hit_data = torch.cat(p_top), torch.cat(hit_greedy).float(), torch.cat(hit_data).float()
+    copy = torch.cat(copy)
     out = {"checkpoint": ckpt, "data": data, "positions": int(p_top.numel()),
            "share_p_gt_0.5": float((p_top > 0.5).float().mean()), "share_p_gt_0.8": float((p_top > 0.8).float().mean()),
            "acc1_greedy": float(hit_greedy.mean()), "acc1_data": float(hit_data.mean()), "bins": []}
     for lo, hi in BINS:
         m = (p_top >= lo) & (p_top < hi)
+        mean = lambda x, sel: float(x[sel].mean()) if sel.any() else None  # noqa: E731
         out["bins"].append({"p_top": f"[{lo:g}, {min(hi, 1):g}]", "share": float(m.float().mean()),
-                            "acc1_greedy": float(hit_greedy[m].mean()) if m.any() else None,
-                            "acc1_data": float(hit_data[m].mean()) if m.any() else None})
+                            "acc1_greedy": mean(hit_greedy, m), "acc1_data": mean(hit_data, m),
+                            "copy_share": mean(copy.float(), m), "acc1_greedy_copy": mean(hit_greedy, m & copy),
+                            "acc1_greedy_other": mean(hit_greedy, m & ~copy)})
     return out
+
+
+def seen_before(seq: list[int], nxt: int) -> bool:
+    """Whether the pair (seq[-1], nxt) already occurs in seq (a copy from the context): [5, 7, 5] then 7 is."""
+    return any(a == seq[-1] and b == nxt for a, b in zip(seq, seq[1:]))
 
 
 def main() -> None:
@@ -79,11 +92,13 @@ def main() -> None:
     res = gauge(a.checkpoint, a.data, a.max_seq_len, a.batch_size, a.threads, a.limit)
     out = Path(a.out)
     out.write_text(json.dumps(res, indent=1) + "\n")
-    rows = [f"| {b['p_top']} | {b['share']:.3f} | {b['acc1_greedy']:.3f} | {b['acc1_data']:.3f} |" for b in res["bins"]]
+    rows = [f"| {b['p_top']} | {b['share']:.3f} | {b['acc1_greedy']:.3f} | {b['acc1_data']:.3f} | {b['copy_share']:.3f} | "
+            f"{b['acc1_greedy_copy']:.3f} | {b['acc1_greedy_other']:.3f} |" for b in res["bins"]]
     out.with_suffix(".md").write_text(
         f"{res['positions']} val positions; max p_t > 0.5: {res['share_p_gt_0.5']:.3f}, > 0.8: {res['share_p_gt_0.8']:.3f}; "
         f"acc@1 vs argmax p_t {res['acc1_greedy']:.3f}, vs the data {res['acc1_data']:.3f}\n\n"
-        "| max p_t | share | acc@1 (argmax p_t) | acc@1 (data) |\n|---|---:|---:|---:|\n" + "\n".join(rows) + "\n")
+        "| max p_t | share | acc@1 (argmax p_t) | acc@1 (data) | copies | acc@1 on copies | acc@1 elsewhere |\n"
+        "|---|---:|---:|---:|---:|---:|---:|\n" + "\n".join(rows) + "\n")
     print(out.with_suffix(".md").read_text())
 
 
