@@ -5,7 +5,8 @@ the target's own top-1 probability max p_t, and whether draft 1 equals the targe
 argmax p_t (what greedy verification accepts) and the data's token x_{t+1}. Reports the share of
 positions with max p_t > 0.5 and > 0.8 and acc@1 in each confidence bin (JSON + Markdown), split by
 whether the position is a copy: the pair (x_t, argmax p_t) already occurred earlier in the same sequence,
-which an n-gram or suffix drafter would propose.
+which an n-gram or suffix drafter would propose. --copy-bias B1,B2,.. also reports acc@1 with DSpark's
+copy bias at each β (cfg.copy_bias: + β·log(1 + n) on each token that followed x_t n times before), to fit it.
 
     python scripts/first_draft_gauge.py checkpoints/dspark --data data/regen --out gauge.json
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,14 +24,15 @@ import torch.nn.functional as F
 
 from selfdraft.checkpoint import load_module
 from selfdraft.methods.dflash.train import draft_losses, teacher_forced_blocks
-from selfdraft.target import Target
+from selfdraft.target import Target, lm_logits
 from selfdraft.training.trainer import load_sequences, make_batch
 
 BINS = ((0.0, 0.5), (0.5, 0.8), (0.8, 1.01))
 
 
 @torch.no_grad()
-def gauge(ckpt: str, data: str, max_seq_len: int, batch_size: int, threads: int, limit: int) -> dict:
+def gauge(ckpt: str, data: str, max_seq_len: int, batch_size: int, threads: int, limit: int, skip: int = 0,
+          betas: tuple[float, ...] = ()) -> dict:
     torch.set_num_threads(threads)
     target = Target.load(None, dtype="float32")
     model, cfg = load_module(ckpt, target, dtype=torch.float32)
@@ -37,7 +40,8 @@ def gauge(ckpt: str, data: str, max_seq_len: int, batch_size: int, threads: int,
         raise SystemExit(f"error: {ckpt} is a {cfg.method} drafter; this gauge reads block drafters (dflash, dspark)")
     cfg = replace(cfg, anchors_per_seq=100_000, dense_first=False)  # a block at every position, no extra queries
     p_top, hit_greedy, hit_data, copy = [], [], [], []
-    seqs = load_sequences(data, "val", max_seq_len)[: limit or None]
+    hit_beta = {b: 0 for b in betas}
+    seqs = load_sequences(data, "val", max_seq_len)[skip : skip + limit if limit else None]
     for i in range(0, len(seqs), batch_size):
         batch = make_batch(seqs[i : i + batch_size], target, cfg.feature_layers)
         tf = teacher_forced_blocks(model, batch, target, cfg, torch.Generator().manual_seed(0))
@@ -52,6 +56,8 @@ def gauge(ckpt: str, data: str, max_seq_len: int, batch_size: int, threads: int,
         d = draft_losses(model, target, batch, tf, bias, with_l1=False)
         pred = d.pred  # [N] target ids (a draft vocabulary maps back)
         logits = target.lm_head(tf.target_rows(batch.last_hidden)).float()  # [N, V] p_t for x_{t+1}
+        if betas:
+            count_copy_hits(model, target, batch, tf, bias, logits.argmax(-1), hit_beta)
         p = torch.softmax(logits, -1)
         p_top.append(p.max(-1).values)
         hit_greedy.append(pred == p.argmax(-1))
@@ -63,7 +69,8 @@ def gauge(ckpt: str, data: str, max_seq_len: int, batch_size: int, threads: int,
     copy = torch.cat(copy)
     out = {"checkpoint": ckpt, "data": data, "positions": int(p_top.numel()),
            "share_p_gt_0.5": float((p_top > 0.5).float().mean()), "share_p_gt_0.8": float((p_top > 0.8).float().mean()),
-           "acc1_greedy": float(hit_greedy.mean()), "acc1_data": float(hit_data.mean()), "bins": []}
+           "acc1_greedy": float(hit_greedy.mean()), "acc1_data": float(hit_data.mean()), "bins": [],
+           "acc1_greedy_by_copy_bias": {str(b): n / p_top.numel() for b, n in hit_beta.items()}}
     for lo, hi in BINS:
         m = (p_top >= lo) & (p_top < hi)
         mean = lambda x, sel: float(x[sel].mean()) if sel.any() else None  # noqa: E731
@@ -72,6 +79,25 @@ def gauge(ckpt: str, data: str, max_seq_len: int, batch_size: int, threads: int,
                             "copy_share": mean(copy.float(), m), "acc1_greedy_copy": mean(hit_greedy, m & copy),
                             "acc1_greedy_other": mean(hit_greedy, m & ~copy)})
     return out
+
+
+def count_copy_hits(model, target, batch, tf, bias, greedy: torch.Tensor, hits: dict) -> None:
+    """Add to hits[β] the first drafts that equal argmax p_t once the copy bias β·log(1 + n) is added (n: how
+    often each token followed x_t in x_0..x_t), as the drafter adds it at inference over its draft vocabulary."""
+    ids = model.draft_ids if model.draft_ids is not None else torch.arange(target.vocab_size)
+    column = torch.full((target.vocab_size,), -1, dtype=torch.long).index_put_((ids,), torch.arange(ids.numel()))
+    rows = target.model.get_output_embeddings().weight[ids].detach()
+    U = lm_logits(target, tf.h[tf.valid], rows.t()).float() + (0 if bias is None else bias)  # [N, V']
+    b = torch.arange(tf.src.shape[0])[:, None, None].expand_as(tf.src)[tf.valid]
+    for j, (i, t) in enumerate(zip(b.tolist(), tf.src[tf.valid].tolist())):
+        seq = batch.input_ids[i, : t + 1].tolist()
+        follow = Counter(nxt for a, nxt in zip(seq, seq[1:]) if a == seq[-1])
+        col = column[torch.tensor(list(follow), dtype=torch.long)] if follow else torch.zeros(0, dtype=torch.long)
+        n = torch.tensor(list(follow.values()), dtype=torch.float32)
+        for beta in hits:
+            u = U[j].clone()
+            u[col[col >= 0]] += beta * torch.log1p(n[col >= 0])
+            hits[beta] += int(ids[u.argmax()] == greedy[j])
 
 
 def seen_before(seq: list[int], nxt: int) -> bool:
@@ -88,8 +114,11 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--limit", type=int, default=0, help="the first N val conversations (0 = all)")
+    ap.add_argument("--skip", type=int, default=0, help="start after the first N val conversations (a second sample)")
+    ap.add_argument("--copy-bias", default="", help="comma list of β: acc@1 with DSpark's copy bias at each")
     a = ap.parse_args()
-    res = gauge(a.checkpoint, a.data, a.max_seq_len, a.batch_size, a.threads, a.limit)
+    betas = tuple(float(x) for x in a.copy_bias.split(",") if x.strip())
+    res = gauge(a.checkpoint, a.data, a.max_seq_len, a.batch_size, a.threads, a.limit, a.skip, betas)
     out = Path(a.out)
     out.write_text(json.dumps(res, indent=1) + "\n")
     rows = [f"| {b['p_top']} | {b['share']:.3f} | {b['acc1_greedy']:.3f} | {b['acc1_data']:.3f} | {b['copy_share']:.3f} | "
@@ -99,6 +128,11 @@ def main() -> None:
         f"acc@1 vs argmax p_t {res['acc1_greedy']:.3f}, vs the data {res['acc1_data']:.3f}\n\n"
         "| max p_t | share | acc@1 (argmax p_t) | acc@1 (data) | copies | acc@1 on copies | acc@1 elsewhere |\n"
         "|---|---:|---:|---:|---:|---:|---:|\n" + "\n".join(rows) + "\n")
+    if betas:
+        with out.with_suffix(".md").open("a") as f:
+            f.write("\n| copy bias β | " + " | ".join(f"{b:g}" for b in betas) + " |\n|---|" + "---:|" * len(betas)
+                    + "\n| acc@1 (argmax p_t) | " + " | ".join(f"{v:.3f}" for v in res["acc1_greedy_by_copy_bias"].values())
+                    + " |\n")
     print(out.with_suffix(".md").read_text())
 
 

@@ -314,6 +314,7 @@ DRAFTERS = [
     ("dspark", dict(markov_head="vanilla", context_residual=True)),
     ("dspark", dict(markov_head="vanilla", context_residual=True, context_next_token=True)),
     ("dspark", dict(markov_head="rnn", dense_first=True, num_layers=2, context_residual=True, context_next_token=True)),
+    ("dspark", dict(markov_head="vanilla", copy_bias=4.0)),
 ]
 
 
@@ -374,7 +375,7 @@ def test_tiny_overfit_drives_loss_down_and_tau_up(target, method):
 
 
 @pytest.mark.parametrize("method,residual", [("dflash", False), ("dspark", False), ("dspark", True), ("dspark", "both"),
-                                             ("dspark", "dense")])
+                                             ("dspark", "dense"), ("dspark", "copy")])
 def test_batched_drafting_equals_one_request_at_a_time(target, method, residual):
     """propose_many (one padded backbone pass for R contexts of different lengths) gives each request
     the tokens, q and c_k it gets alone (with context_residual: its own C_{t-1}), draws the same random
@@ -382,8 +383,9 @@ def test_batched_drafting_equals_one_request_at_a_time(target, method, residual)
     from selfdraft.drafters.base import propose_all
 
     model, cfg = make(method, target, gamma=5, markov_rank=8, context_residual=bool(residual),
-                      context_next_token=residual in ("both", "dense"), dense_first=residual == "dense")
-    prompts = [[5, 17, 3, 42, 8, 8, 61], [1, 2], [9, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39], [4, 4, 4]]
+                      context_next_token=residual in ("both", "dense"), dense_first=residual == "dense",
+                      **({"copy_bias": 3.0} if residual == "copy" else {}))
+    prompts = [[5, 17, 3, 42, 8, 8, 61], [1, 2], [9, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39], [4, 4, 4, 4]]
     params = [SamplingParams(), SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=0.7, top_k=5),
               SamplingParams()]
     gammas = [5, 3, 7, 0]
@@ -403,6 +405,55 @@ def test_batched_drafting_equals_one_request_at_a_time(target, method, residual)
         assert a.tokens.tolist() == b.tokens.tolist() and len(b.tokens) == min(g, 5)
         for x, y in ((a.q, b.q), (a.confidences, b.confidences)):
             assert (x is None) == (y is None) and (x is None or torch.allclose(x, y, atol=1e-5))
+
+
+def test_copy_bias_multiplies_q_by_one_plus_the_context_count_to_the_beta(target):
+    """DSpark's copy bias against its definition: with β, q_1 (k = 1: x_{k-1} = the anchor) is the plain
+    drafter's q_1 times (1 + n)^β for each token that followed the anchor n times in the context,
+    renormalised; β = 0 is the plain drafter; the counts follow the committed tokens as they grow."""
+    prompt = [5, 17, 3, 5, 17, 9, 5, 40, 5]  # the anchor 5 was followed by 17 twice and by 40 once
+    params = SamplingParams(temperature=1.0)
+
+    def q1(beta, tokens):
+        model, cfg = make("dspark", target, gamma=3, markov_rank=8, copy_bias=beta)
+        d = STRATEGIES["dspark"].drafter(model, cfg, target)
+        d.begin(tokens[:-1], target.forward(torch.tensor([tokens[:-1]]), None, FEATS))
+        return d.propose(tokens, 3, params, torch.Generator().manual_seed(0)).q[0], d
+
+    plain, _ = q1(0.0, prompt)
+    copied, d = q1(2.0, prompt)
+    want = plain * torch.tensor([(1.0 + {17: 2, 40: 1}.get(v, 0)) ** 2.0 for v in range(V)])
+    assert torch.allclose(copied, want / want.sum(), atol=1e-6)
+    assert d.follow[5] == {17: 2, 40: 1} and d.follow_upto == len(prompt)
+    d.count_pairs(prompt + [17, 5])  # two committed tokens more: only the new pairs are added
+    assert d.follow[5] == {17: 3, 40: 1} and d.follow[40] == {5: 1} and d.follow[17] == {3: 1, 9: 1, 5: 1}
+    with pytest.raises(ConfigError, match="copy_bias"):
+        methods.get("dspark").config(copy_bias=-1.0)
+
+
+def test_copy_bias_keeps_sampling_lossless_chi_square_and_the_check_can_fail(monkeypatch):
+    """Sampled drafts with the copy bias keep the target's output law (q_k is the biased distribution each
+    x_k was drawn from); the control draws with the bias but reports q without it, and fails."""
+    from tests.helpers import V_SMALL, _spec_pvalue
+    from selfdraft.methods.dspark.model import DSparkModel
+
+    small = Target(tiny_llama(vocab=V_SMALL, hidden=H, layers=LAYERS, seed=1, peaked=1.0, intermediate=64))
+    cfg = methods.get("dspark").config(feature_layers=FEATS, gamma=3, markov_rank=4, copy_bias=3.0)
+    torch.manual_seed(0)
+    drafter = STRATEGIES["dspark"].drafter(STRATEGIES["dspark"].build(cfg, small), cfg, small)
+    assert _spec_pvalue(small, drafter, SamplingParams(temperature=1.0), n_samples=1500) > 1e-3
+    real = DSparkModel.decode_blocks
+
+    def q_without_the_bias(self, h, U, x0, pick, vocab=None, admit=None, copy=None):
+        state = {"prev": x0}
+
+        def biased(k, logit):
+            idx = pick(k, logit + copy(state["prev"]))
+            state["prev"] = idx if vocab is None else vocab[idx]
+            return idx
+        return real(self, h, U, x0, biased, vocab, admit)
+    monkeypatch.setattr(DSparkModel, "decode_blocks", q_without_the_bias)
+    assert _spec_pvalue(small, drafter, SamplingParams(temperature=1.0), n_samples=1500) < 1e-6
 
 
 @pytest.mark.parametrize("method", ["dflash", "dspark"])

@@ -43,6 +43,10 @@ class DFlashDrafter(TrainedDrafter):
         self.last_c: torch.Tensor | None = None  # [H] C of the last committed position (context_residual)
         self.gives_confidences = getattr(model, "confidence", None) is not None  # DSpark's head
         self.vocab: torch.Tensor | None = None  # [V'] draft vocabulary (target ids), None = all V
+        self.column: torch.Tensor | None = None  # [V] a target id's column among the V' (-1: not drafted)
+        # DSpark's copy bias (cfg.copy_bias): how often each token followed each other one in the committed tokens
+        self.follow: dict[int, dict[int, int]] = {}
+        self.follow_upto = 0  # committed tokens whose successor is counted
         self.head = lambda h: lm_logits(target, h)  # [..., H] -> U [..., V'] float32 (the target's LM head)
         if self.model.draft_ids is not None:  # trained over a draft vocabulary: draft among it
             self.restrict_vocab(self.model.draft_ids)
@@ -58,6 +62,7 @@ class DFlashDrafter(TrainedDrafter):
             raise ConfigError(f"a draft vocabulary needs target ids in [0, {V}), got {ids.numel()} ids")
         head = self.target.model.get_output_embeddings().weight
         self.vocab = ids.to(head.device)  # indexes the drafts and q on the model's device (a file's ids load on the CPU)
+        self.column = torch.full((V,), -1, dtype=torch.long).index_put_((ids,), torch.arange(ids.numel()))
         self.head = draft_vocab_head(self.target, head[self.vocab].detach())
 
     @torch.inference_mode()
@@ -85,10 +90,36 @@ class DFlashDrafter(TrainedDrafter):
 
     def begin(self, prompt_ids: list[int], step: TargetStep) -> None:
         self.ctx, self.ctx_len, self.pending, self.last_c = [], 0, None, None
+        self.follow, self.follow_upto = {}, 0
         self._append(step.features[0])  # [P, n_feat, H]
 
     def observe(self, verification, step: TargetStep) -> None:
         self._append(step.features[0])  # [n_accepted + 1, n_feat, H]: old anchor + accepted drafts
+
+    def count_pairs(self, tokens: list[int]) -> None:
+        """Extend the successor counts with the pairs (tokens[i], tokens[i + 1]) not yet counted (the
+        committed tokens only grow within a request)."""
+        for a, b in zip(tokens[max(0, self.follow_upto - 1) : -1], tokens[max(1, self.follow_upto) :]):
+            row = self.follow.setdefault(a, {})
+            row[b] = row.get(b, 0) + 1
+        self.follow_upto = len(tokens)
+
+    @staticmethod
+    def copy_bias(drafters: list["DFlashDrafter"], beta: float, width: int):
+        """prev [R] target ids -> [R, V'] float32: β·log(1 + n) on each token that followed prev n times in
+        request r's committed tokens (DSpark's copy path, docs/methods/dspark.md#the-copy-bias)."""
+        column = drafters[0].column
+
+        def bias(prev: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros(len(drafters), width)
+            for i, (d, x) in enumerate(zip(drafters, prev.tolist())):
+                row = d.follow.get(x)
+                if row:
+                    ids, n = torch.tensor(list(row)), torch.tensor(list(row.values()), dtype=torch.float32)
+                    col = ids if column is None else column[ids]
+                    out[i, col[col >= 0]] = beta * torch.log1p(n[col >= 0])
+            return out.to(prev.device)
+        return bias
 
     @property
     def drafts_trees(self) -> bool:
@@ -205,7 +236,14 @@ class DFlashDrafter(TrainedDrafter):
             return x
 
         x0 = torch.tensor([tokens[r][-1] for r in live], device=h.device)
-        block = model.decode_blocks(h, U, x0, pick, vocab, admit=admit)
+        beta = getattr(drafters[live[0]].cfg, "copy_bias", 0.0)  # DSpark's; a DFlash block has no serial step
+        copy = {}
+        if beta > 0:
+            for r in live:
+                drafters[r].count_pairs(tokens[r])
+            width = target.vocab_size if vocab is None else vocab.numel()
+            copy = {"copy": DFlashDrafter.copy_bias([drafters[r] for r in live], beta, width)}
+        block = model.decode_blocks(h, U, x0, pick, vocab, admit=admit, **copy)
         n = [min(g_r, block.tokens.shape[1]) for g_r in g]  # drafts kept (with `admit`: those admitted)
         # 3. q_k is exactly what x_k was sampled from (one-hot when greedy: q = None), over all V.
         for i, r in enumerate(live):

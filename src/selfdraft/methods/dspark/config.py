@@ -12,7 +12,7 @@ from selfdraft.methods.dflash.config import DFlashConfig
 @dataclass
 class DSparkConfig(DFlashConfig):
     method: str = "dspark"
-    ABSENT_MEANS: ClassVar[dict] = {**DFlashConfig.ABSENT_MEANS, "kl_to_tv_tokens": 0}
+    ABSENT_MEANS: ClassVar[dict] = {**DFlashConfig.ABSENT_MEANS, "kl_to_tv_tokens": 0, "copy_bias": 0.0}
     # The first-draft recipe is DSpark's default (docs/bench/first-draft-recipe: from random init it lifts acc@1
     # 0.217 -> 0.240 and τ on every bundled set at 150k tokens). The vLLM and llama.cpp exports refuse these
     # three inputs: --no-dense-first --no-context-residual --no-context-next-token trains the exportable layout.
@@ -32,6 +32,11 @@ class DSparkConfig(DFlashConfig):
     # proposes); the soft CE does not. Over the first N training tokens w_tv's share moves linearly from
     # the soft CE to TV (r = seen / N: r·w_tv on TV, (1 - r)·w_tv more on the soft CE). 0 = TV from the start.
     kl_to_tv_tokens: int = knob(100_000, "anneal from soft CE to the TV mix over the first N training tokens (0 = off)")
+    # Inference only: the target copies pairs it has seen in the context (induction heads), one draft layer over fused
+    # features does not (docs/bench/first-draft-recipe#how-predictable-the-target-is). A count-based copy path adds
+    # β·log(1 + n) to the logit of every token that followed the previous draft token x_{k-1} n times in the request's
+    # committed tokens; q_k stays exactly what x_k is drawn from. Fit β on held-out positions (scripts/first_draft_gauge.py).
+    copy_bias: float = knob(0.0, "inference: + β·log(1 + n) on each token that followed x_{k-1} n times in the context (0 = off)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -39,5 +44,7 @@ class DSparkConfig(DFlashConfig):
             raise ConfigError(f"markov_head must be vanilla, gated or rnn, got {self.markov_head!r}")
         if self.kl_to_tv_tokens < 0:
             raise ConfigError(f"kl_to_tv_tokens must be >= 0 (0 = off), got {self.kl_to_tv_tokens}")
+        if self.copy_bias < 0:
+            raise ConfigError(f"copy_bias must be >= 0 (0 = off), got {self.copy_bias}")
         if self.markov_rank < 0:
             raise ConfigError(f"markov_rank must be >= 0 (0 = no Markov head), got {self.markov_rank}")

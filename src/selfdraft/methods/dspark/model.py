@@ -122,6 +122,7 @@ class DSparkModel(DFlashModel):
     def decode_blocks(
         self, h: torch.Tensor, U: torch.Tensor | Callable[[int], torch.Tensor], x0: torch.Tensor, pick: PickMany,
         vocab: torch.Tensor | None = None, admit: Callable[[float], bool] | None = None,
+        copy: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
     ) -> DraftBlock:
         """Serial decode of R blocks at once (inference): h [R, γ, d], x0 [R]; U the backbone logits
         [R, γ, V'] float32, or k -> U_k [R, V'] computing a row only when position k is drafted.
@@ -130,7 +131,8 @@ class DSparkModel(DFlashModel):
         For k = 1..γ: 1. c_k = σ(z_k / T_k) (it reads h_k and x_{k-1}, not x_k); 2. with `admit`
         (R = 1: the scheduler's online rule), stop at its first refusal: x_k and everything after it
         would never be verified, so neither U_k nor the Markov step is computed; 3. e_k, s_k from
-        (h_k, x_{k-1}, s_{k-1}); 4. logits_k = U_k + W2 e_k; 5. x_k = pick(logits_k); x_{k-1} <- x_k.
+        (h_k, x_{k-1}, s_{k-1}); 4. logits_k = U_k + W2 e_k (+ copy(x_{k-1}) [R, V'], the context's copy
+        bias, cfg.copy_bias); 5. x_k = pick(logits_k); x_{k-1} <- x_k.
         """
         R, g = h.shape[:2]
         prev = x0  # [R] target ids
@@ -145,6 +147,8 @@ class DSparkModel(DFlashModel):
             if self.markov is not None:
                 e, s = self.markov.step(h[:, k], prev, s)  # [R, r]
                 logit = logit + bias(e).float()
+            if copy is not None:
+                logit = logit + copy(prev)
             idx = pick(k, logit)
             prev = idx if vocab is None else vocab[idx]
             tokens.append(prev)
