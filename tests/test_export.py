@@ -205,7 +205,13 @@ def test_export_command_prints_the_serve_line_or_refuses(target, tmp_path):
     ok = make_checkpoint(target, "dspark", tmp_path / "ok")
     res = CliRunner().invoke(app, ["export", ok, str(tmp_path / "out"), "--target", str(local), "--verifier", str(local),
                                    "--dtype", "float32"])  # fmt: skip
-    assert res.exit_code == 0, res.output
+    assert res.exit_code == 0 and "copy bias" not in res.output, res.output
+    meta = json.loads((Path(ok) / "config.json").read_text())
+    meta["drafter"]["copy_bias"] = 8.0  # inference only: exported without it, and the user is told
+    (Path(ok) / "config.json").write_text(json.dumps(meta))
+    told = CliRunner().invoke(app, ["export", ok, str(tmp_path / "out3"), "--target", str(local), "--verifier", str(local),
+                                    "--dtype", "float32"])  # fmt: skip
+    assert told.exit_code == 0 and "copy_bias 8) is an option of selfdraft's engine" in told.output, told.output
     out = (tmp_path / "out").resolve()
     assert (f"vllm serve {local.resolve()} --speculative-config '{{\"model\": \"{out}\", \"method\": \"dspark\", "
             f"\"num_speculative_tokens\": 4}}'") in res.output  # fmt: skip

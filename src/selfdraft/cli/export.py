@@ -52,6 +52,7 @@ def export_cmd(
         rep = export_gguf(src, out, tgt, target_gguf=target_gguf, out_type=gguf_type)
         print(f"-> {rep.path} ({rep.bytes / 1e6:.1f} MB, llama.cpp arch {rep.arch!r}, {len(rep.tensors)} tensors)\n"
               f"serve it: {rep.server_command()}", file=sys.stderr)  # fmt: skip
+        not_carried(src, "llama.cpp")
         if recommend and rep.method == "dspark":
             from selfdraft.llamacpp.settings import recommend_for
 
@@ -67,3 +68,14 @@ def export_cmd(
           f"'{{\"model\": \"{rep.path}\", \"method\": \"{rep.method}\", "
           f"\"num_speculative_tokens\": {rep.speculative_tokens}}}'\nor here: selfdraft generate --drafter {rep.path} -p '...'",
           file=sys.stderr)  # fmt: skip
+    not_carried(src, "vLLM")
+
+
+def not_carried(src: str, engine: str) -> None:
+    """Say which of the source's inference-only options the export leaves behind (the engine lacks them)."""
+    from selfdraft.checkpoint import read_config
+
+    beta = read_config(src).get("drafter", {}).get("copy_bias", 0)
+    if beta:
+        print(f"note: the copy bias (copy_bias {beta:g}) is an option of selfdraft's engine and is not exported: {engine} "
+              f"drafts without it (docs/methods/dspark.md#the-copy-bias)", file=sys.stderr)
