@@ -26,6 +26,7 @@ from selfdraft.checkpoint import load_module
 from selfdraft.methods.dflash.train import draft_losses, teacher_forced_blocks
 from selfdraft.target import Target, lm_logits
 from selfdraft.training.trainer import load_sequences, make_batch
+from selfdraft.vocab import draft_columns
 
 BINS = ((0.0, 0.5), (0.5, 0.8), (0.8, 1.01))
 
@@ -56,15 +57,16 @@ def gauge(ckpt: str, data: str, max_seq_len: int, batch_size: int, threads: int,
         d = draft_losses(model, target, batch, tf, bias, with_l1=False)
         pred = d.pred  # [N] target ids (a draft vocabulary maps back)
         logits = target.lm_head(tf.target_rows(batch.last_hidden)).float()  # [N, V] p_t for x_{t+1}
+        greedy = logits.argmax(-1)  # [N]
+        b = torch.arange(tf.src.shape[0])[:, None, None].expand_as(tf.src)[tf.valid]  # [N] sequence
+        follow = [followers(batch.input_ids[i, : t + 1].tolist()) for i, t in zip(b.tolist(), tf.src[tf.valid].tolist())]
         if betas:
-            count_copy_hits(model, target, batch, tf, bias, logits.argmax(-1), hit_beta)
+            count_copy_hits(model, target, tf, bias, follow, greedy, hit_beta)
         p = torch.softmax(logits, -1)
         p_top.append(p.max(-1).values)
-        hit_greedy.append(pred == p.argmax(-1))
+        hit_greedy.append(pred == greedy)
         hit_data.append(pred == tf.gold[tf.valid])
-        b = torch.arange(tf.src.shape[0])[:, None, None].expand_as(tf.src)[tf.valid]  # [N] sequence
-        copy.append(torch.tensor([seen_before(batch.input_ids[i, : t + 1].tolist(), int(g))
-                                  for i, t, g in zip(b.tolist(), tf.src[tf.valid].tolist(), p.argmax(-1))]))
+        copy.append(torch.tensor([int(g) in f for f, g in zip(follow, greedy)], dtype=torch.bool))
     p_top, hit_greedy, hit_data = torch.cat(p_top), torch.cat(hit_greedy).float(), torch.cat(hit_data).float()
     copy = torch.cat(copy)
     out = {"checkpoint": ckpt, "data": data, "positions": int(p_top.numel()),
@@ -81,28 +83,26 @@ def gauge(ckpt: str, data: str, max_seq_len: int, batch_size: int, threads: int,
     return out
 
 
-def count_copy_hits(model, target, batch, tf, bias, greedy: torch.Tensor, hits: dict) -> None:
+def count_copy_hits(model, target, tf, bias, follow: list[Counter], greedy: torch.Tensor, hits: dict) -> None:
     """Add to hits[β] the first drafts that equal argmax p_t once the copy bias β·log(1 + n) is added (n: how
     often each token followed x_t in x_0..x_t), as the drafter adds it at inference over its draft vocabulary."""
     ids = model.draft_ids if model.draft_ids is not None else torch.arange(target.vocab_size)
-    column = torch.full((target.vocab_size,), -1, dtype=torch.long).index_put_((ids,), torch.arange(ids.numel()))
+    column = draft_columns(ids, target.vocab_size)
     rows = target.model.get_output_embeddings().weight[ids].detach()
     U = lm_logits(target, tf.h[tf.valid], rows.t()).float() + (0 if bias is None else bias)  # [N, V']
-    b = torch.arange(tf.src.shape[0])[:, None, None].expand_as(tf.src)[tf.valid]
-    for j, (i, t) in enumerate(zip(b.tolist(), tf.src[tf.valid].tolist())):
-        seq = batch.input_ids[i, : t + 1].tolist()
-        follow = Counter(nxt for a, nxt in zip(seq, seq[1:]) if a == seq[-1])
-        col = column[torch.tensor(list(follow), dtype=torch.long)] if follow else torch.zeros(0, dtype=torch.long)
-        n = torch.tensor(list(follow.values()), dtype=torch.float32)
+    for j, f in enumerate(follow):
+        col = column[torch.tensor(list(f), dtype=torch.long)]
+        n = torch.tensor(list(f.values()), dtype=torch.float32)
         for beta in hits:
             u = U[j].clone()
             u[col[col >= 0]] += beta * torch.log1p(n[col >= 0])
             hits[beta] += int(ids[u.argmax()] == greedy[j])
 
 
-def seen_before(seq: list[int], nxt: int) -> bool:
-    """Whether the pair (seq[-1], nxt) already occurs in seq (a copy from the context): [5, 7, 5] then 7 is."""
-    return any(a == seq[-1] and b == nxt for a, b in zip(seq, seq[1:]))
+def followers(seq: list[int]) -> Counter:
+    """How often each token followed seq[-1] earlier in seq: [5, 7, 5] -> {7: 1}. A position is a copy when
+    the target's greedy token is among them."""
+    return Counter(b for a, b in zip(seq, seq[1:]) if a == seq[-1])
 
 
 def main() -> None:

@@ -68,20 +68,27 @@ def geometric_batch_tokens(max_tokens: int) -> list[int]:
     return sorted({b for p in powers for b in (p, p + p // 2) if b < max_tokens} | {max_tokens})
 
 
+def cpu_fields() -> dict[str, str]:
+    """The first processor's block of /proc/cpuinfo ("model name", "cpu family", "model", "flags", ...; it
+    describes them all); empty where there is none (not Linux)."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return fields
+
+
 def this_machine(dev: torch.device) -> str:
     """The CPU (model name, family and model: one "Intel(R) Xeon(R) Processor" name covers several), its
     CPU count and, on a GPU, the device. A stored table is reused only on the machine that measured it,
     since a home directory may follow a user to another CPU."""
-    cpu, ids = platform.processor(), {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if not line.strip():
-                    break  # the first processor's block describes them all
-                ids.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
+    cpu, ids = platform.processor(), cpu_fields()
     if "model name" in ids:
         cpu = f"{ids['model name']} (family {ids.get('cpu family', '?')} model {ids.get('model', '?')})"
     machine = f"{platform.machine()} {cpu} {os.cpu_count()} cpus"

@@ -14,6 +14,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 
+def draft_columns(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """ids: [V'] target ids of a draft vocabulary -> [vocab_size] int64: each target id's column among them,
+    -1 for ids outside it (on ids' device)."""
+    cols = torch.full((vocab_size,), -1, dtype=torch.long, device=ids.device)
+    cols[ids] = torch.arange(ids.numel(), device=ids.device)
+    return cols
+
+
 @dataclass
 class DraftVocab:
     """A reduced draft vocabulary (speculators convention, docs/data.md#draft-vocabulary)."""

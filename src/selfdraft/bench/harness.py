@@ -538,12 +538,10 @@ def machine_info(target: "Target") -> dict:
     """What a reader needs to compare numbers across machines."""
     import transformers
 
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:  # not Linux
-        cpuinfo = ""
-    info = lambda key: next((ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines()  # noqa: E731
-                             if ln.split(":", 1)[0].strip() == key), "")
+    from selfdraft.profile import cpu_fields
+
+    fields = cpu_fields()
+    info = lambda key: fields.get(key, "")  # noqa: E731
     flags = set(info("flags").split())
     return {
         "cpu": info("model name") or platform.processor(),

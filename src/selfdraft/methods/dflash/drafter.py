@@ -17,6 +17,7 @@ from selfdraft.methods.dflash.model import DFlashModel
 from selfdraft.native.quant import few_row_linear
 from selfdraft.sampling import block_contexts, probs_from_logits, process_logits, sample
 from selfdraft.target import Target, TargetStep, lm_logits
+from selfdraft.vocab import draft_columns
 
 
 def draft_vocab_head(target: Target, rows: torch.Tensor):
@@ -62,7 +63,7 @@ class DFlashDrafter(TrainedDrafter):
             raise ConfigError(f"a draft vocabulary needs target ids in [0, {V}), got {ids.numel()} ids")
         head = self.target.model.get_output_embeddings().weight
         self.vocab = ids.to(head.device)  # indexes the drafts and q on the model's device (a file's ids load on the CPU)
-        self.column = torch.full((V,), -1, dtype=torch.long).index_put_((ids,), torch.arange(ids.numel()))
+        self.column = draft_columns(ids, V)  # on the host, as the copy counts are
         self.head = draft_vocab_head(self.target, head[self.vocab].detach())
 
     @torch.inference_mode()

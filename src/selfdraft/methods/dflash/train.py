@@ -23,6 +23,7 @@ from selfdraft.training.objectives import (
     weighted_mean,
 )
 from selfdraft.training.strategy import Batch, LossOutput, Strategy
+from selfdraft.vocab import draft_columns
 
 
 def prepare_draft_vocab(model: DFlashModel, cfg: DFlashConfig, target: Target, data_dir: str) -> None:
@@ -81,8 +82,7 @@ def draft_losses(
     if ids is not None:
         rows = target.model.get_output_embeddings().weight[ids].detach()  # [V', H] frozen
         logits = lm_logits(target, h, rows.t()) + (0 if bias is None else bias)  # [N, V']
-        t2d = torch.full((target.vocab_size,), -1, dtype=torch.long, device=ids.device)
-        t2d[ids] = torch.arange(ids.numel(), device=ids.device)
+        t2d = draft_columns(ids, target.vocab_size)  # [V] target id -> column, -1 outside V'
         h_t = tf.target_rows(batch.last_hidden) if with_l1 else None
         lse = tf.target_rows(batch.target_lse(target)) if with_l1 else None
         return vocab_losses(logits, rows, ids, t2d, h_t, lse, label)
