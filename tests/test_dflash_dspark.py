@@ -778,6 +778,31 @@ def test_a_warm_starts_new_parameters_train_at_new_lr_and_keep_it_on_resume(targ
     assert seen and all(len(g) == 1 for g in seen)  # new_lr 0: the grown layer trains at lr, in one group
 
 
+def test_a_run_saved_before_groups_had_their_own_rate_resumes(target, tmp_path):
+    """trainer_state.pt from before `lr_scale` (its optimizer groups lack it) resumes at the run's lr;
+    the control: the key really is absent from what was loaded."""
+    from selfdraft.config import TrainConfig
+    from selfdraft.training.checkpointing import STATE_FILE
+    from selfdraft.training.trainer import train
+    from tests.toy_training import write_dataset
+
+    def killed_after_step_2(log):
+        if log.step == 2:
+            raise KeyboardInterrupt
+
+    cfg = methods.get("dspark").config(feature_layers=FEATS, gamma=2, markov_rank=4, num_layers=1, anchors_per_seq=4)
+    tcfg = TrainConfig(data=str(write_dataset(tmp_path / "data")), steps=3, batch_size=2, max_seq_len=32, val_every=0,
+                       save_every=1, bf16=False, lr=1e-4, warmup_steps=1)
+    with pytest.raises(KeyboardInterrupt):
+        train(target, cfg, tcfg, tmp_path / "run", on_step=killed_after_step_2)
+    state = torch.load(tmp_path / "run" / STATE_FILE, weights_only=True)
+    for g in state["optimizer"]["param_groups"]:
+        del g["lr_scale"]
+    torch.save(state, tmp_path / "run" / STATE_FILE)
+    assert all("lr_scale" not in g for g in torch.load(tmp_path / "run" / STATE_FILE, weights_only=True)["optimizer"]["param_groups"])
+    assert train(target, cfg, tcfg, tmp_path / "run").resumed_from == 2
+
+
 def test_warm_start_adds_the_context_inputs_at_zero(target, tmp_path):
     """--init-from a drafter trained without context_residual / context_next_token into one with them:
     W_s and W_e start at zero, so the states equal the checkpoint's; either one non-zero (the controls) differs."""

@@ -178,4 +178,7 @@ class Distributed:
                     for k, v in st.items()
                 }  # fmt: skip
             saved = {**saved, "state": state}
+        scales = [g["lr_scale"] for g in opt.param_groups]
         opt.load_state_dict(saved)
+        for g, scale in zip(opt.param_groups, scales):  # a state saved before groups had their own rate: this run's
+            g.setdefault("lr_scale", scale)
