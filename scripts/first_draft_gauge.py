@@ -6,7 +6,8 @@ argmax p_t (what greedy verification accepts) and the data's token x_{t+1}. Repo
 positions with max p_t > 0.5 and > 0.8 and acc@1 in each confidence bin (JSON + Markdown), split by
 whether the position is a copy: the pair (x_t, argmax p_t) already occurred earlier in the same sequence,
 which an n-gram or suffix drafter would propose. --copy-bias B1,B2,.. also reports acc@1 with DSpark's
-copy bias at each β (cfg.copy_bias: + β·log(1 + n) on each token that followed x_t n times before), to fit it.
+copy bias at each β (cfg.copy_bias: + β·log(1 + n) on each token that followed x_t n times before; with
+--copy-context 2 each token that followed the pair x_{t-1} x_t), to fit it.
 
     python scripts/first_draft_gauge.py checkpoints/dspark --data data/regen --out gauge.json
 """
@@ -33,7 +34,7 @@ BINS = ((0.0, 0.5), (0.5, 0.8), (0.8, 1.01))
 
 @torch.no_grad()
 def gauge(ckpt: str, data: str, max_seq_len: int, batch_size: int, threads: int, limit: int, skip: int = 0,
-          betas: tuple[float, ...] = ()) -> dict:
+          betas: tuple[float, ...] = (), context: int = 1) -> dict:
     torch.set_num_threads(threads)
     target = Target.load(None, dtype="float32")
     model, cfg = load_module(ckpt, target, dtype=torch.float32)
@@ -59,9 +60,11 @@ def gauge(ckpt: str, data: str, max_seq_len: int, batch_size: int, threads: int,
         logits = target.lm_head(tf.target_rows(batch.last_hidden)).float()  # [N, V] p_t for x_{t+1}
         greedy = logits.argmax(-1)  # [N]
         b = torch.arange(tf.src.shape[0])[:, None, None].expand_as(tf.src)[tf.valid]  # [N] sequence
-        follow = [followers(batch.input_ids[i, : t + 1].tolist()) for i, t in zip(b.tolist(), tf.src[tf.valid].tolist())]
+        prefixes = [batch.input_ids[i, : t + 1].tolist() for i, t in zip(b.tolist(), tf.src[tf.valid].tolist())]
+        follow = [followers(x) for x in prefixes]
         if betas:
-            count_copy_hits(model, target, tf, bias, follow, greedy, hit_beta)
+            matched = follow if context == 1 else [followers(x, context) for x in prefixes]
+            count_copy_hits(model, target, tf, bias, matched, greedy, hit_beta)
         p = torch.softmax(logits, -1)
         p_top.append(p.max(-1).values)
         hit_greedy.append(pred == greedy)
@@ -72,7 +75,7 @@ def gauge(ckpt: str, data: str, max_seq_len: int, batch_size: int, threads: int,
     out = {"checkpoint": ckpt, "data": data, "positions": int(p_top.numel()),
            "share_p_gt_0.5": float((p_top > 0.5).float().mean()), "share_p_gt_0.8": float((p_top > 0.8).float().mean()),
            "acc1_greedy": float(hit_greedy.mean()), "acc1_data": float(hit_data.mean()), "bins": [],
-           "acc1_greedy_by_copy_bias": {str(b): n / p_top.numel() for b, n in hit_beta.items()}}
+           "copy_context": context, "acc1_greedy_by_copy_bias": {str(b): n / p_top.numel() for b, n in hit_beta.items()}}
     for lo, hi in BINS:
         m = (p_top >= lo) & (p_top < hi)
         mean = lambda x, sel: float(x[sel].mean()) if sel.any() else None  # noqa: E731
@@ -99,10 +102,11 @@ def count_copy_hits(model, target, tf, bias, follow: list[Counter], greedy: torc
             hits[beta] += int(ids[u.argmax()] == greedy[j])
 
 
-def followers(seq: list[int]) -> Counter:
-    """How often each token followed seq[-1] earlier in seq: [5, 7, 5] -> {7: 1}. A position is a copy when
-    the target's greedy token is among them."""
-    return Counter(b for a, b in zip(seq, seq[1:]) if a == seq[-1])
+def followers(seq: list[int], o: int = 1) -> Counter:
+    """How often each token followed the last o tokens of seq earlier in seq: [5, 7, 5] -> {7: 1}. A position
+    is a copy when the target's greedy token is among its followers with o = 1."""
+    tail = seq[-o:]
+    return Counter(seq[i + o] for i in range(len(seq) - o) if seq[i : i + o] == tail)
 
 
 def main() -> None:
@@ -116,9 +120,10 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=0, help="the first N val conversations (0 = all)")
     ap.add_argument("--skip", type=int, default=0, help="start after the first N val conversations (a second sample)")
     ap.add_argument("--copy-bias", default="", help="comma list of β: acc@1 with DSpark's copy bias at each")
+    ap.add_argument("--copy-context", type=int, default=1, help="tokens the copy bias matches (cfg.copy_context)")
     a = ap.parse_args()
     betas = tuple(float(x) for x in a.copy_bias.split(",") if x.strip())
-    res = gauge(a.checkpoint, a.data, a.max_seq_len, a.batch_size, a.threads, a.limit, a.skip, betas)
+    res = gauge(a.checkpoint, a.data, a.max_seq_len, a.batch_size, a.threads, a.limit, a.skip, betas, a.copy_context)
     out = Path(a.out)
     out.write_text(json.dumps(res, indent=1) + "\n")
     rows = [f"| {b['p_top']} | {b['share']:.3f} | {b['acc1_greedy']:.3f} | {b['acc1_data']:.3f} | {b['copy_share']:.3f} | "
@@ -130,7 +135,7 @@ def main() -> None:
         "|---|---:|---:|---:|---:|---:|---:|\n" + "\n".join(rows) + "\n")
     if betas:
         with out.with_suffix(".md").open("a") as f:
-            f.write("\n| copy bias β | " + " | ".join(f"{b:g}" for b in betas) + " |\n|---|" + "---:|" * len(betas)
+            f.write(f"\n| copy bias β (context {a.copy_context}) | " + " | ".join(f"{b:g}" for b in betas) + " |\n|---|" + "---:|" * len(betas)
                     + "\n| acc@1 (argmax p_t) | " + " | ".join(f"{v:.3f}" for v in res["acc1_greedy_by_copy_bias"].values())
                     + " |\n")
     print(out.with_suffix(".md").read_text())

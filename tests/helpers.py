@@ -280,8 +280,8 @@ def _sequence_law(target: Target, prompt: list[int], params: SamplingParams) -> 
     return law
 
 
-def _spec_pvalue(target, drafter, params, n_samples=2000, scheduler=None) -> float:
-    prompt = [1, 3, 2]
+def _spec_pvalue(target, drafter, params, n_samples=2000, scheduler=None, prompt=(1, 3, 2)) -> float:
+    prompt = list(prompt)
     law = _sequence_law(target, prompt, params)
     counts = dict.fromkeys(law, 0)
     cfg = GenerationConfig(max_new_tokens=N_NEW, gamma=4, stop_on_eos=False)

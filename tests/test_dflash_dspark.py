@@ -315,6 +315,7 @@ DRAFTERS = [
     ("dspark", dict(markov_head="vanilla", context_residual=True, context_next_token=True)),
     ("dspark", dict(markov_head="rnn", dense_first=True, num_layers=2, context_residual=True, context_next_token=True)),
     ("dspark", dict(markov_head="vanilla", copy_bias=4.0)),
+    ("dspark", dict(markov_head="vanilla", copy_bias=4.0, copy_context=2)),
 ]
 
 
@@ -375,7 +376,7 @@ def test_tiny_overfit_drives_loss_down_and_tau_up(target, method):
 
 
 @pytest.mark.parametrize("method,residual", [("dflash", False), ("dspark", False), ("dspark", True), ("dspark", "both"),
-                                             ("dspark", "dense"), ("dspark", "copy")])
+                                             ("dspark", "dense"), ("dspark", "copy"), ("dspark", "copy2")])
 def test_batched_drafting_equals_one_request_at_a_time(target, method, residual):
     """propose_many (one padded backbone pass for R contexts of different lengths) gives each request
     the tokens, q and c_k it gets alone (with context_residual: its own C_{t-1}), draws the same random
@@ -384,7 +385,7 @@ def test_batched_drafting_equals_one_request_at_a_time(target, method, residual)
 
     model, cfg = make(method, target, gamma=5, markov_rank=8, context_residual=bool(residual),
                       context_next_token=residual in ("both", "dense"), dense_first=residual == "dense",
-                      **({"copy_bias": 3.0} if residual == "copy" else {}))
+                      **({"copy_bias": 3.0, "copy_context": 1 + (residual == "copy2")} if residual in ("copy", "copy2") else {}))
     prompts = [[5, 17, 3, 42, 8, 8, 61], [1, 2], [9, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39], [4, 4, 4, 4]]
     params = [SamplingParams(), SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=0.7, top_k=5),
               SamplingParams()]
@@ -424,24 +425,52 @@ def test_copy_bias_multiplies_q_by_one_plus_the_context_count_to_the_beta(target
     copied, d = q1(2.0, prompt)
     want = plain * torch.tensor([(1.0 + {17: 2, 40: 1}.get(v, 0)) ** 2.0 for v in range(V)])
     assert torch.allclose(copied, want / want.sum(), atol=1e-6)
-    assert d.follow[5] == {17: 2, 40: 1} and d.follow_upto == len(prompt)
-    d.count_pairs(prompt + [17, 5])  # two committed tokens more: only the new pairs are added
-    assert d.follow[5] == {17: 3, 40: 1} and d.follow[40] == {5: 1} and d.follow[17] == {3: 1, 9: 1, 5: 1}
+    assert d.follow[(5,)] == {17: 2, 40: 1} and d.follow_upto == len(prompt)
+    d.count_followers(prompt + [17, 5])  # two committed tokens more: only the new pairs are added
+    assert d.follow[(5,)] == {17: 3, 40: 1} and d.follow[(40,)] == {5: 1} and d.follow[(17,)] == {3: 1, 9: 1, 5: 1}
     with pytest.raises(ConfigError, match="copy_bias"):
         methods.get("dspark").config(copy_bias=-1.0)
+    with pytest.raises(ConfigError, match="copy_context"):
+        methods.get("dspark").config(copy_context=0)
 
 
-def test_copy_bias_keeps_sampling_lossless_chi_square_and_the_check_can_fail(monkeypatch):
+def test_copy_bias_with_two_tokens_of_context_counts_what_followed_the_pair(target):
+    """copy_context 2: q_1 is the plain q_1 times (1 + n)^β for each token that followed (x_{-1}, anchor) n
+    times, not what followed the anchor alone; at k = 2 the pair is (anchor, x_1), the draft just made."""
+    from selfdraft.methods.dflash.drafter import DFlashDrafter
+
+    prompt = [5, 17, 3, 4, 17, 6, 5, 17, 8, 2, 5, 17]  # (5, 17) -> 3, 8; 17 alone -> 3, 6, 8
+    params = SamplingParams(temperature=1.0)
+
+    def q1(beta):
+        model, cfg = make("dspark", target, gamma=3, markov_rank=8, copy_bias=beta, copy_context=2)
+        d = STRATEGIES["dspark"].drafter(model, cfg, target)
+        d.begin(prompt[:-1], target.forward(torch.tensor([prompt[:-1]]), None, FEATS))
+        return d.propose(prompt, 3, params, torch.Generator().manual_seed(0)).q[0], d
+
+    plain, _ = q1(0.0)
+    copied, d = q1(2.0)
+    want = plain * torch.tensor([(1.0 + {3: 1, 8: 1}.get(v, 0)) ** 2.0 for v in range(V)])
+    assert torch.allclose(copied, want / want.sum(), atol=1e-6)
+    assert d.follow[(5, 17)] == {3: 1, 8: 1} and d.follow[(17, 6)] == {5: 1}
+    bias = DFlashDrafter.copy_bias([d], [prompt], 1.0, V)
+    assert torch.equal(bias(torch.tensor([17])).nonzero()[:, 1], torch.tensor([3, 8]))  # k = 1: (5, 17)
+    assert torch.equal(bias(torch.tensor([6])).nonzero()[:, 1], torch.tensor([5]))  # k = 2: (17, 6) -> 5
+
+
+@pytest.mark.parametrize("context", [1, 2])
+def test_copy_bias_keeps_sampling_lossless_chi_square_and_the_check_can_fail(monkeypatch, context):
     """Sampled drafts with the copy bias keep the target's output law (q_k is the biased distribution each
     x_k was drawn from); the control draws with the bias but reports q without it, and fails."""
     from tests.helpers import V_SMALL, _spec_pvalue
     from selfdraft.methods.dspark.model import DSparkModel
 
     small = Target(tiny_llama(vocab=V_SMALL, hidden=H, layers=LAYERS, seed=1, peaked=1.0, intermediate=64))
-    cfg = methods.get("dspark").config(feature_layers=FEATS, gamma=3, markov_rank=4, copy_bias=3.0)
+    cfg = methods.get("dspark").config(feature_layers=FEATS, gamma=3, markov_rank=4, copy_bias=3.0, copy_context=context)
     torch.manual_seed(0)
     drafter = STRATEGIES["dspark"].drafter(STRATEGIES["dspark"].build(cfg, small), cfg, small)
-    assert _spec_pvalue(small, drafter, SamplingParams(temperature=1.0), n_samples=1500) > 1e-3
+    prompt = (1, 3, 2, 1, 3, 2, 1, 3)  # every pair and triple repeats: the bias fires from the first draft
+    assert _spec_pvalue(small, drafter, SamplingParams(temperature=1.0), n_samples=1500, prompt=prompt) > 1e-3
     real = DSparkModel.decode_blocks
 
     def q_without_the_bias(self, h, U, x0, pick, vocab=None, admit=None, copy=None):
@@ -453,7 +482,7 @@ def test_copy_bias_keeps_sampling_lossless_chi_square_and_the_check_can_fail(mon
             return idx
         return real(self, h, U, x0, biased, vocab, admit)
     monkeypatch.setattr(DSparkModel, "decode_blocks", q_without_the_bias)
-    assert _spec_pvalue(small, drafter, SamplingParams(temperature=1.0), n_samples=1500) < 1e-6
+    assert _spec_pvalue(small, drafter, SamplingParams(temperature=1.0), n_samples=1500, prompt=prompt) < 1e-6
 
 
 @pytest.mark.parametrize("method", ["dflash", "dspark"])

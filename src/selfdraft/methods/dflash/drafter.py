@@ -45,8 +45,9 @@ class DFlashDrafter(TrainedDrafter):
         self.gives_confidences = getattr(model, "confidence", None) is not None  # DSpark's head
         self.vocab: torch.Tensor | None = None  # [V'] draft vocabulary (target ids), None = all V
         self.column: torch.Tensor | None = None  # [V] a target id's column among the V' (-1: not drafted)
-        # DSpark's copy bias (cfg.copy_bias): how often each token followed each other one in the committed tokens
-        self.follow: dict[int, dict[int, int]] = {}
+        # DSpark's copy bias (cfg.copy_bias): how often each token followed each run of cfg.copy_context tokens
+        # in the committed tokens
+        self.follow: dict[tuple[int, ...], dict[int, int]] = {}
         self.follow_upto = 0  # committed tokens whose successor is counted
         self.head = lambda h: lm_logits(target, h)  # [..., H] -> U [..., V'] float32 (the target's LM head)
         if self.model.draft_ids is not None:  # trained over a draft vocabulary: draft among it
@@ -97,28 +98,36 @@ class DFlashDrafter(TrainedDrafter):
     def observe(self, verification, step: TargetStep) -> None:
         self._append(step.features[0])  # [n_accepted + 1, n_feat, H]: old anchor + accepted drafts
 
-    def count_pairs(self, tokens: list[int]) -> None:
-        """Extend the successor counts with the pairs (tokens[i], tokens[i + 1]) not yet counted (the
-        committed tokens only grow within a request)."""
-        for a, b in zip(tokens[max(0, self.follow_upto - 1) : -1], tokens[max(1, self.follow_upto) :]):
-            row = self.follow.setdefault(a, {})
-            row[b] = row.get(b, 0) + 1
+    def count_followers(self, tokens: list[int]) -> None:
+        """Extend the follower counts with the positions not yet counted (the committed tokens only grow
+        within a request): follow[(tokens[i - o], .., tokens[i - 1])][tokens[i]] += 1, o = cfg.copy_context."""
+        o = self.cfg.copy_context
+        for i in range(max(o, self.follow_upto), len(tokens)):
+            row = self.follow.setdefault(tuple(tokens[i - o : i]), {})
+            row[tokens[i]] = row.get(tokens[i], 0) + 1
         self.follow_upto = len(tokens)
 
     @staticmethod
-    def copy_bias(drafters: list["DFlashDrafter"], beta: float, width: int):
-        """prev [R] target ids -> [R, V'] float32: β·log(1 + n) on each token that followed prev n times in
-        request r's committed tokens (DSpark's copy path, docs/methods/dspark.md#the-copy-bias)."""
-        column = drafters[0].column
+    def copy_bias(drafters: list["DFlashDrafter"], tokens: list[list[int]], beta: float, width: int):
+        """The copy path (docs/methods/dspark.md#the-copy-bias) of R requests' blocks: called once per draft
+        position k = 1, 2, .. in order with prev [R] = x_{k-1} (x_0 = the anchor, tokens[r][-1]) -> [R, V']
+        float32, β·log(1 + n) on each token that followed the last o tokens (.., x_{k-1}) n times in
+        request r's committed tokens (o = cfg.copy_context)."""
+        column, o = drafters[0].column, drafters[0].cfg.copy_context
+        tails = [list(t[-o:]) for t in tokens]  # the last o tokens, drafts appended as they come
+        calls = [0]
 
         def bias(prev: torch.Tensor) -> torch.Tensor:
             out = torch.zeros(len(drafters), width)
             for i, (d, x) in enumerate(zip(drafters, prev.tolist())):
-                row = d.follow.get(x)
+                if calls[0]:
+                    tails[i].append(x)
+                row = d.follow.get(tuple(tails[i][-o:]))
                 if row:
                     ids, n = torch.tensor(list(row)), torch.tensor(list(row.values()), dtype=torch.float32)
                     col = ids if column is None else column[ids]
                     out[i, col[col >= 0]] = beta * torch.log1p(n[col >= 0])
+            calls[0] += 1
             return out.to(prev.device)
         return bias
 
@@ -241,9 +250,9 @@ class DFlashDrafter(TrainedDrafter):
         copy = {}
         if beta > 0:
             for r in live:
-                drafters[r].count_pairs(tokens[r])
+                drafters[r].count_followers(tokens[r])
             width = target.vocab_size if vocab is None else vocab.numel()
-            copy = {"copy": DFlashDrafter.copy_bias([drafters[r] for r in live], beta, width)}
+            copy = {"copy": DFlashDrafter.copy_bias([drafters[r] for r in live], [tokens[r] for r in live], beta, width)}
         block = model.decode_blocks(h, U, x0, pick, vocab, admit=admit, **copy)
         n = [min(g_r, block.tokens.shape[1]) for g_r in g]  # drafts kept (with `admit`: those admitted)
         # 3. q_k is exactly what x_k was sampled from (one-hot when greedy: q = None), over all V.
