@@ -6,6 +6,9 @@ train steps is a held-out measurement. Committed curves (campaign_curve.py's cur
 logs may be gone) join with --prior FILE:NAME=LABEL.
 
     python scripts/campaign/ablation_table.py RUN_DIR... --prior docs/bench/equal-budget/dspark-first-draft/curve.json:"dspark (families-800k)"=DSpark --out DIR
+
+A run given as SEG1+SEG2+.. is one run trained in segments (warm restarts): their logs join, each segment's
+tokens counted after the previous ones'.
 """
 
 from __future__ import annotations
@@ -17,9 +20,24 @@ from pathlib import Path
 WINDOWS = ((40_000, 88_000), (88_000, 144_000), (144_000, 252_000))
 
 
-def run_points(run: Path, window: int) -> tuple[list[dict], list[dict]]:
+def joined_log(spec: str) -> list[dict]:
+    """The train log of RUN, or of SEG1+SEG2+.. with each segment's steps and tokens after the previous ones'."""
+    out, step0, tokens0 = [], 0, 0
+    for seg in spec.split("+"):
+        log = [json.loads(x) for x in (Path(seg) / "train_log.jsonl").read_text().splitlines() if x.strip()]
+        tokens = {x["step"]: x["tokens"] for x in log if x["kind"] == "train"}
+        for x in log:
+            x = {**x, "step": step0 + x["step"]}
+            if x["kind"] == "train":
+                x["tokens"] += tokens0
+            out.append(x)
+        step0, tokens0 = step0 + max(tokens), tokens0 + tokens[max(tokens)]
+    return out
+
+
+def run_points(run: str, window: int) -> tuple[list[dict], list[dict]]:
     """A run's train log -> ([{tokens, acc: [γ]}] per `window` tokens, [{tokens, loss, acc}] validations)."""
-    log = [json.loads(x) for x in (run / "train_log.jsonl").read_text().splitlines() if x.strip()]
+    log = joined_log(run)
     steps = [x for x in log if x["kind"] == "train"]
     keys = sorted((k for k in steps[0]["metrics"] if k.startswith("acc@")), key=lambda k: int(k[4:]))
     out, cur, start = [], [], 0
@@ -44,29 +62,32 @@ def window_mean(points: list[dict], lo: int, hi: int, k: int | None) -> float | 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("runs", type=Path, nargs="+", help="training output directories (their train_log.jsonl)")
+    ap.add_argument("runs", nargs="+", help="training output directories (their train_log.jsonl); SEG1+SEG2+.. joins segments")
     ap.add_argument("--prior", action="append", default=[], help="FILE:NAME=LABEL, a committed curve.json's windows")
     ap.add_argument("--window", type=int, default=20_000)
+    ap.add_argument("--windows", default=",".join(f"{lo // 1000}-{hi // 1000}" for lo, hi in WINDOWS),
+                    help="the table's token windows, in thousands: LO-HI,..")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
+    windows = [tuple(int(x) * 1000 for x in w.split("-")) for w in a.windows.split(",")]
     rows: list[tuple[str, list[dict], list[dict]]] = []
     for spec in a.prior:
         file, _, rest = spec.partition(":")
         name, _, label = rest.partition("=")
         rows.append((label or name, json.loads(Path(file).read_text())["windows"][name], []))
-    rows += [(run.name, *run_points(run, a.window)) for run in a.runs]
+    rows += [("+".join(Path(seg).name for seg in run.split("+")), *run_points(run, a.window)) for run in a.runs]
 
     fmt = lambda x: "–" if x is None else f"{x:.3f}"  # noqa: E731
-    head = " | ".join(f"{lo // 1000}-{hi // 1000}k acc@1 / mean" for lo, hi in WINDOWS)
-    lines = [f"| run | {head} | last val acc@1 (tokens) | val acc@1..γ |", "|---|" + "---:|" * (len(WINDOWS) + 1) + "---|"]
+    head = " | ".join(f"{lo // 1000}-{hi // 1000}k acc@1 / mean" for lo, hi in windows)
+    lines = [f"| run | {head} | last val acc@1 (tokens) | val acc@1..γ |", "|---|" + "---:|" * (len(windows) + 1) + "---|"]
     table = []
     for label, pts, vals in rows:
-        cells = [f"{fmt(window_mean(pts, lo, hi, 0))} / {fmt(window_mean(pts, lo, hi, None))}" for lo, hi in WINDOWS]
+        cells = [f"{fmt(window_mean(pts, lo, hi, 0))} / {fmt(window_mean(pts, lo, hi, None))}" for lo, hi in windows]
         v = vals[-1] if vals else None
         lines.append(f"| {label} | " + " | ".join(cells) + (f" | {v['acc'][0]:.3f} ({v['tokens']:,}) | "
                      + " ".join(f"{x:.2f}" for x in v["acc"]) + " |" if v else " | – | – |"))
         table.append({"run": label, "windows": {f"{lo}-{hi}": [window_mean(pts, lo, hi, 0), window_mean(pts, lo, hi, None)]
-                                                for lo, hi in WINDOWS}, "val": vals})
+                                                for lo, hi in windows}, "val": vals})
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "table.md").write_text("\n".join(lines) + "\n")
     (a.out / "table.json").write_text(json.dumps(table, indent=1) + "\n")
