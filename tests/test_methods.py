@@ -188,7 +188,7 @@ def test_each_method_has_its_own_config_with_only_its_fields():
                                              "context_next_token", "dense_first"}
     assert fields(DSparkConfig) - fields(DFlashConfig) == {"markov_rank", "markov_head", "confidence_head",
                                                            "w_ce", "w_tv", "w_kl", "w_conf",
-                                                           "kl_to_tv_tokens", "copy_bias"}  # DSpark extends DFlash
+                                                           "kl_to_tv_tokens", "copy_bias", "copy_context"}  # DSpark extends DFlash
     assert fields(Eagle3Config) - shared == {"draft_vocab_size", "ttt_decay", "tree_depth", "tree_top_k", "tree_total_tokens"}
     assert fields(MTPConfig) - shared == {"mtp_modules", "mtp_recursive", "mtp_normed_handoff", "mtp_decay"}
     for cls in (DFlashConfig, DSparkConfig, Eagle3Config, MTPConfig):
