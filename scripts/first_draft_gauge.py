@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from selfdraft.checkpoint import load_module
+from selfdraft.methods.dflash.drafter import add_follower_bias
 from selfdraft.methods.dflash.train import draft_losses, teacher_forced_blocks
 from selfdraft.target import Target, lm_logits
 from selfdraft.training.trainer import load_sequences, make_batch
@@ -94,11 +95,10 @@ def count_copy_hits(model, target, tf, bias, follow: list[Counter], greedy: torc
     rows = target.model.get_output_embeddings().weight[ids].detach()
     U = lm_logits(target, tf.h[tf.valid], rows.t()).float() + (0 if bias is None else bias)  # [N, V']
     for j, f in enumerate(follow):
-        col = column[torch.tensor(list(f), dtype=torch.long)]
-        n = torch.tensor(list(f.values()), dtype=torch.float32)
         for beta in hits:
             u = U[j].clone()
-            u[col[col >= 0]] += beta * torch.log1p(n[col >= 0])
+            if f:
+                add_follower_bias(u, f, column, beta)
             hits[beta] += int(ids[u.argmax()] == greedy[j])
 
 

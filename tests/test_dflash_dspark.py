@@ -477,7 +477,8 @@ def test_copy_bias_keeps_sampling_lossless_chi_square_and_the_check_can_fail(mon
         state = {"prev": x0}
 
         def biased(k, logit):
-            idx = pick(k, logit + copy(state["prev"]))
+            seen = copy(state["prev"])
+            idx = pick(k, logit if seen is None else logit + seen)
             state["prev"] = idx if vocab is None else vocab[idx]
             return idx
         return real(self, h, U, x0, biased, vocab, admit)

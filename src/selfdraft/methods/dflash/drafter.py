@@ -20,6 +20,37 @@ from selfdraft.target import Target, TargetStep, lm_logits
 from selfdraft.vocab import draft_columns
 
 
+def add_follower_bias(out: torch.Tensor, followers: dict[int, int], column: torch.Tensor | None, beta: float) -> None:
+    """out [V'] += β·log(1 + n) at the column of each token that followed n times (tokens outside the draft
+    vocabulary, column -1, are dropped)."""
+    ids, n = torch.tensor(list(followers)), torch.tensor(list(followers.values()), dtype=torch.float32)
+    col = ids if column is None else column[ids]
+    out[col[col >= 0]] += beta * torch.log1p(n[col >= 0])
+
+
+class CopyBias:
+    """decode_blocks' `copy`: called once per draft position k = 1, 2, .. in order with prev [R] = x_{k-1}
+    (x_0 = the anchor) -> [R, V'] float32, β·log(1 + n) on each token that followed the last o tokens
+    (.., x_{k-1}) n times in request r's committed tokens (o = cfg.copy_context); None when no request's
+    context has recurred (nothing to add)."""
+
+    def __init__(self, drafters: list["DFlashDrafter"], tails: list[list[int]], beta: float, width: int, o: int) -> None:
+        self.drafters, self.tails, self.beta, self.width, self.o = drafters, tails, beta, width, o
+        self.started = False  # the first call's prev is the anchor, already the tails' last token
+
+    def __call__(self, prev: torch.Tensor) -> torch.Tensor | None:
+        out = None
+        for i, (d, x) in enumerate(zip(self.drafters, prev.tolist())):
+            if self.started:
+                self.tails[i].append(x)
+            row = d.follow.get(tuple(self.tails[i][-self.o :]))
+            if row:
+                out = torch.zeros(len(self.drafters), self.width) if out is None else out
+                add_follower_bias(out[i], row, d.column, self.beta)
+        self.started = True
+        return None if out is None else out.to(prev.device)
+
+
 def draft_vocab_head(target: Target, rows: torch.Tensor):
     """The target's LM-head rows of a draft vocabulary, [V', H], as a function [..., H] -> [..., V']
     float32: through FBGEMM's fp16 kernel beside an fp16 target (as its own head runs), else a dense
@@ -108,28 +139,10 @@ class DFlashDrafter(TrainedDrafter):
         self.follow_upto = len(tokens)
 
     @staticmethod
-    def copy_bias(drafters: list["DFlashDrafter"], tokens: list[list[int]], beta: float, width: int):
-        """The copy path (docs/methods/dspark.md#the-copy-bias) of R requests' blocks: called once per draft
-        position k = 1, 2, .. in order with prev [R] = x_{k-1} (x_0 = the anchor, tokens[r][-1]) -> [R, V']
-        float32, β·log(1 + n) on each token that followed the last o tokens (.., x_{k-1}) n times in
-        request r's committed tokens (o = cfg.copy_context)."""
-        column, o = drafters[0].column, drafters[0].cfg.copy_context
-        tails = [list(t[-o:]) for t in tokens]  # the last o tokens, drafts appended as they come
-        calls = [0]
-
-        def bias(prev: torch.Tensor) -> torch.Tensor:
-            out = torch.zeros(len(drafters), width)
-            for i, (d, x) in enumerate(zip(drafters, prev.tolist())):
-                if calls[0]:
-                    tails[i].append(x)
-                row = d.follow.get(tuple(tails[i][-o:]))
-                if row:
-                    ids, n = torch.tensor(list(row)), torch.tensor(list(row.values()), dtype=torch.float32)
-                    col = ids if column is None else column[ids]
-                    out[i, col[col >= 0]] = beta * torch.log1p(n[col >= 0])
-            calls[0] += 1
-            return out.to(prev.device)
-        return bias
+    def copy_bias(drafters: list["DFlashDrafter"], tokens: list[list[int]], beta: float, width: int) -> "CopyBias":
+        """The copy path of R requests' blocks (docs/methods/dspark.md#the-copy-bias)."""
+        o = drafters[0].cfg.copy_context
+        return CopyBias(drafters, [list(t[-o:]) for t in tokens], beta, width, o)
 
     @property
     def drafts_trees(self) -> bool:

@@ -147,8 +147,9 @@ class DSparkModel(DFlashModel):
             if self.markov is not None:
                 e, s = self.markov.step(h[:, k], prev, s)  # [R, r]
                 logit = logit + bias(e).float()
-            if copy is not None:
-                logit = logit + copy(prev)
+            seen = None if copy is None else copy(prev)  # [R, V'], None when no context has recurred
+            if seen is not None:
+                logit = logit + seen
             idx = pick(k, logit)
             prev = idx if vocab is None else vocab[idx]
             tokens.append(prev)
