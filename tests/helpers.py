@@ -401,10 +401,13 @@ CONFIGS = {  # every exported method in vLLM's layout; small but with every head
     "mtp": dict(method="mtp", gamma=3, qk_norm=True, mtp_normed_handoff=True),
     # stored in bf16 like the shipped drafters, for a float32 target whose LM-head rows bf16 would round
     "dspark-bf16": dict(method="dspark", gamma=3, markov_rank=8, qk_norm=True, mask_token_id=3, **VLLM_BLOCK),
+    # trained over 60 ids (its `draft_ids`) and drafting among 30 others (a draft_vocab file), as the shipped DSpark
+    "dspark-trained-vocab": dict(method="dspark", gamma=3, markov_rank=8, qk_norm=True, mask_token_id=3, loss_vocab_size=60,
+                                 **VLLM_BLOCK),
 }
 
 
-DRAFT_VOCAB = {"dspark": 40, "dflash": 50, "dspark-bf16": 30}  # checkpoints with an inference draft vocabulary of this size
+DRAFT_VOCAB = {"dspark": 40, "dflash": 50, "dspark-bf16": 30, "dspark-trained-vocab": 30}  # checkpoints with an inference draft vocabulary of this size
 
 
 def _randomise(model: torch.nn.Module, seed: int) -> None:
@@ -418,6 +421,8 @@ def _randomise(model: torch.nn.Module, seed: int) -> None:
             model.d2t.copy_(ids - torch.arange(ids.numel()))
             model.t2d.zero_()
             model.t2d[ids] = True
+        if getattr(model, "draft_ids", None) is not None:  # the vocabulary it was trained over
+            model.draft_ids.copy_(torch.randperm(V, generator=g)[: model.draft_ids.numel()].sort().values)
         if hasattr(model, "conf_temperature"):
             model.conf_temperature.copy_(torch.linspace(0.8, 1.6, model.conf_temperature.numel()))
 

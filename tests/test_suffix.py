@@ -313,6 +313,17 @@ def test_bad_drafter_specs_are_config_errors(tiny_target, spec, match):
         load_drafter(spec, tiny_target)
 
 
+def test_hybrid_cost_rule_leaves_one_token_matches_to_the_trained_drafter(tiny_target):
+    """After a one-token match every tree frequency is 1.0, so the cost rule would take that draft over any
+    trained drafter; it asks the trained drafter instead (chosen None), and takes a two-token match's draft."""
+    for context, match_len, suffix_wins in (([7, 8, 9, 6, 7], 1, False), ([6, 7, 8, 9, 6, 7], 2, True)):
+        h = hybrids(tiny_target.vocab_size)["cost"]
+        h.prompt_len, h.neural_value = 0, 1.5  # the trained drafter's rounds were worth 1.5 tokens
+        sp, chosen = h._decide(context, 4, None)
+        assert h.suffix.last.match_len == match_len and h.suffix.last.score >= 2  # a draft the old rule took
+        assert (chosen is sp) == suffix_wins, context
+
+
 def test_hybrid_cost_rule_refuses_a_drafter_without_confidences(tiny_target):
     with pytest.raises(ConfigError, match="has none"):
         HybridDrafter(ModelDrafter(tiny_llama(vocab=tiny_target.vocab_size, seed=7)), SuffixDrafter(), "cost")

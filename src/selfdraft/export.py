@@ -302,9 +302,11 @@ def speculators_checkpoint(src_dir: str | Path, target: "Target", verifier: str 
     if "d2t" in tensors and state["d2t"].numel() >= target.vocab_size:
         del tensors["d2t"], tensors["t2d"]  # EAGLE-3's full vocabulary: speculators' module has no d2t / t2d buffers
     ids = None
-    if m.target_rows:  # a vocabulary trained over (module buffer `draft_ids`) or drafted over (file)
+    if m.target_rows:  # the vocabulary drafted over: the file's, as our loader restricts to it, else the trained one
         trained = state.get("draft_ids")
-        ids = trained.cpu().long() if trained is not None and trained.numel() else draft_vocab_ids(src_dir, target)
+        ids = draft_vocab_ids(src_dir, target)
+        if ids is None and trained is not None and trained.numel():
+            ids = trained.cpu().long()
     if ids is not None:
         # The format requires the reduced LM head: neither speculators nor vLLM slices the verifier's.
         # These are the verifier's rows, exactly: in the drafter's dtype where that is lossless (a bf16
@@ -319,6 +321,8 @@ def speculators_checkpoint(src_dir: str | Path, target: "Target", verifier: str 
         if w2 is not None and w2.shape[0] == target.vocab_size:  # the bias is over the draft vocabulary too
             tensors["markov_head.markov_w2.weight"] = w2[ids].contiguous()
         extra["draft_vocab_size"] = int(ids.numel())
+        if getattr(cfg, "loss_vocab_size", 0):  # imported, the module's draft_ids are the drafted vocabulary (d2t)
+            extra["selfdraft"]["drafter"]["loss_vocab_size"] = int(ids.numel())
     if "conf_temperature" in state:  # DSpark
         extra["selfdraft"]["confidence_temperatures"] = [float(t) for t in state["conf_temperature"]]
     name = resolve_verifier(verifier, target)

@@ -11,7 +11,8 @@ Rules (`RULES`):
   from the cost table (`selfdraft profile`), is at least what the trained drafter's recent rounds
   were worth, (1 + Σ_j a_j) / (1 / SPS(1 + n) + t_draft) from its calibrated confidences and its
   measured pass time (EMAs); else the trained drafter drafts (its pass skipped otherwise). Its
-  drafts of this round are never compared: x_1 would then be chosen for what c_2.. say of it.
+  drafts of this round are never compared: x_1 would then be chosen for what c_2.. say of it. A
+  suffix draft that rests on a one-token match is left to the trained drafter (COST_MIN_MATCH).
 - arctic: the suffix draft when its score Σ_j a_j >= γ (Arctic Inference), else the trained one.
 - sam: the suffix draft when its match is >= 4 tokens long (SAM-Decoding), else the trained one.
 - merged: one draft tree, the suffix chain and the trained chain under the anchor (shared prefix
@@ -31,6 +32,10 @@ from selfdraft.scheduler import Admission, prefix_survival, with_overhead
 
 RULES = ("cost", "arctic", "sam", "merged")
 SAM_MIN_MATCH = 4  # SAM-Decoding / TensorRT-LLM's SA enhancer switch at a match of 4 tokens
+# The cost rule's shortest match: after a one-token match, one earlier occurrence makes every tree frequency
+# 1.0, and such drafts (5-6 tokens) accepted 0.2-0.4 tokens a round where the trained drafter's accepted as
+# many for one or two verified drafts (docs/methods/hybrid.md#the-shortest-match).
+COST_MIN_MATCH = 2
 
 
 class HybridDrafter(Drafter):
@@ -125,7 +130,7 @@ class HybridDrafter(Drafter):
         # rounds were worth: its drafts of this round are not looked at, since choosing them for what
         # they turned out to be would condition x_1 on c_2.. (the bias of the paper's Appendix A).
         cost = None if admission is None else (admission.cost or admission.sps)
-        if len(sp.tokens) and self._value(sp, 0.0, cost) >= self._predicted(cost):
+        if len(sp.tokens) and s.match_len >= COST_MIN_MATCH and self._value(sp, 0.0, cost) >= self._predicted(cost):
             return sp, self._pick("suffix", sp)
         return sp, None
 
