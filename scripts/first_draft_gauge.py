@@ -28,14 +28,14 @@ from selfdraft.methods.dflash.drafter import add_follower_bias
 from selfdraft.methods.dflash.train import draft_losses, teacher_forced_blocks
 from selfdraft.target import Target, lm_logits
 from selfdraft.training.trainer import load_sequences, make_batch
-from selfdraft.vocab import draft_columns
+from selfdraft.vocab import DraftVocab, draft_columns
 
 BINS = ((0.0, 0.5), (0.5, 0.8), (0.8, 1.01))
 
 
 @torch.no_grad()
 def gauge(ckpt: str, data: str, max_seq_len: int, batch_size: int, threads: int, limit: int, skip: int = 0,
-          betas: tuple[float, ...] = (), context: int = 1) -> dict:
+          betas: tuple[float, ...] = (), context: int = 1, draft_vocab: str | None = None) -> dict:
     torch.set_num_threads(threads)
     target = Target.load(None, dtype="float32")
     model, cfg = load_module(ckpt, target, dtype=torch.float32)
@@ -44,6 +44,8 @@ def gauge(ckpt: str, data: str, max_seq_len: int, batch_size: int, threads: int,
     cfg = replace(cfg, anchors_per_seq=100_000, dense_first=False)  # a block at every position, no extra queries
     p_top, hit_greedy, hit_data, copy = [], [], [], []
     hit_beta = {b: 0 for b in betas}
+    # the copy-bias readings draft over the inference vocabulary when given (a checkpoint's draft_vocab.safetensors)
+    ids = DraftVocab.load(draft_vocab).target_ids if draft_vocab else model.draft_ids
     seqs = load_sequences(data, "val", max_seq_len)[skip : skip + limit if limit else None]
     for i in range(0, len(seqs), batch_size):
         batch = make_batch(seqs[i : i + batch_size], target, cfg.feature_layers)
@@ -51,11 +53,11 @@ def gauge(ckpt: str, data: str, max_seq_len: int, batch_size: int, threads: int,
         first = torch.zeros_like(tf.valid)
         first[..., 0] = True
         tf.valid &= first  # draft 1 only: [B, A, γ]
-        bias = None
+        bias, e = None, None
         if getattr(model, "markov", None) is not None:
-            e = model.heads(tf.h, tf.prev).e  # [B, A, γ, r]
+            e = model.heads(tf.h, tf.prev).e[tf.valid]  # [N, r]
             W2 = model.markov.W2.weight if model.draft_ids is None else model.markov.W2.weight[model.draft_ids]
-            bias = F.linear(e[tf.valid], W2).float()
+            bias = F.linear(e, W2).float()
         d = draft_losses(model, target, batch, tf, bias, with_l1=False)
         pred = d.pred  # [N] target ids (a draft vocabulary maps back)
         logits = target.lm_head(tf.target_rows(batch.last_hidden)).float()  # [N, V] p_t for x_{t+1}
@@ -65,7 +67,7 @@ def gauge(ckpt: str, data: str, max_seq_len: int, batch_size: int, threads: int,
         follow = [followers(x) for x in prefixes]
         if betas:
             matched = follow if context == 1 else [followers(x, context) for x in prefixes]
-            count_copy_hits(model, target, tf, bias, matched, greedy, hit_beta)
+            count_copy_hits(model, target, tf, e, ids, matched, greedy, hit_beta)
         p = torch.softmax(logits, -1)
         p_top.append(p.max(-1).values)
         hit_greedy.append(pred == greedy)
@@ -76,7 +78,7 @@ def gauge(ckpt: str, data: str, max_seq_len: int, batch_size: int, threads: int,
     out = {"checkpoint": ckpt, "data": data, "positions": int(p_top.numel()),
            "share_p_gt_0.5": float((p_top > 0.5).float().mean()), "share_p_gt_0.8": float((p_top > 0.8).float().mean()),
            "acc1_greedy": float(hit_greedy.mean()), "acc1_data": float(hit_data.mean()), "bins": [],
-           "copy_context": context, "acc1_greedy_by_copy_bias": {str(b): n / p_top.numel() for b, n in hit_beta.items()}}
+           "copy_context": context, "copy_bias_vocab": None if ids is None else int(ids.numel()), "acc1_greedy_by_copy_bias": {str(b): n / p_top.numel() for b, n in hit_beta.items()}}
     for lo, hi in BINS:
         m = (p_top >= lo) & (p_top < hi)
         mean = lambda x, sel: float(x[sel].mean()) if sel.any() else None  # noqa: E731
@@ -87,13 +89,15 @@ def gauge(ckpt: str, data: str, max_seq_len: int, batch_size: int, threads: int,
     return out
 
 
-def count_copy_hits(model, target, tf, bias, follow: list[Counter], greedy: torch.Tensor, hits: dict) -> None:
+def count_copy_hits(model, target, tf, e, ids, follow: list[Counter], greedy: torch.Tensor, hits: dict) -> None:
     """Add to hits[β] the first drafts that equal argmax p_t once the copy bias β·log(1 + n) is added (n: how
-    often each token followed x_t in x_0..x_t), as the drafter adds it at inference over its draft vocabulary."""
-    ids = model.draft_ids if model.draft_ids is not None else torch.arange(target.vocab_size)
+    often each token followed x_t in x_0..x_t), as the drafter adds it at inference over its draft vocabulary
+    `ids` [V'] (None: all V); e [N, r] the Markov features (None without a Markov head)."""
+    ids = ids if ids is not None else torch.arange(target.vocab_size)
     column = draft_columns(ids, target.vocab_size)
     rows = target.model.get_output_embeddings().weight[ids].detach()
-    U = lm_logits(target, tf.h[tf.valid], rows.t()).float() + (0 if bias is None else bias)  # [N, V']
+    bias = 0 if e is None else F.linear(e, model.markov.W2.weight[ids]).float()  # B_k over the V' columns
+    U = lm_logits(target, tf.h[tf.valid], rows.t()).float() + bias  # [N, V']
     for j, f in enumerate(follow):
         for beta in hits:
             u = U[j].clone()
@@ -121,9 +125,10 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=0, help="start after the first N val conversations (a second sample)")
     ap.add_argument("--copy-bias", default="", help="comma list of β: acc@1 with DSpark's copy bias at each")
     ap.add_argument("--copy-context", type=int, default=1, help="tokens the copy bias matches (cfg.copy_context)")
+    ap.add_argument("--draft-vocab", default=None, help="the copy-bias readings draft among these ids (a draft_vocab.safetensors)")
     a = ap.parse_args()
     betas = tuple(float(x) for x in a.copy_bias.split(",") if x.strip())
-    res = gauge(a.checkpoint, a.data, a.max_seq_len, a.batch_size, a.threads, a.limit, a.skip, betas, a.copy_context)
+    res = gauge(a.checkpoint, a.data, a.max_seq_len, a.batch_size, a.threads, a.limit, a.skip, betas, a.copy_context, a.draft_vocab)
     out = Path(a.out)
     out.write_text(json.dumps(res, indent=1) + "\n")
     rows = [f"| {b['p_top']} | {b['share']:.3f} | {b['acc1_greedy']:.3f} | {b['acc1_data']:.3f} | {b['copy_share']:.3f} | "
@@ -135,7 +140,7 @@ def main() -> None:
         "|---|---:|---:|---:|---:|---:|---:|\n" + "\n".join(rows) + "\n")
     if betas:
         with out.with_suffix(".md").open("a") as f:
-            f.write(f"\n| copy bias β (context {a.copy_context}) | " + " | ".join(f"{b:g}" for b in betas) + " |\n|---|" + "---:|" * len(betas)
+            f.write(f"\n| copy bias β (context {a.copy_context}, drafting among {res['copy_bias_vocab'] or 'all'} tokens) | " + " | ".join(f"{b:g}" for b in betas) + " |\n|---|" + "---:|" * len(betas)
                     + "\n| acc@1 (argmax p_t) | " + " | ".join(f"{v:.3f}" for v in res["acc1_greedy_by_copy_bias"].values())
                     + " |\n")
     print(out.with_suffix(".md").read_text())
