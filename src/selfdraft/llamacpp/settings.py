@@ -19,6 +19,7 @@ before it reads the confidences.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 from dataclasses import asdict, dataclass
@@ -87,9 +88,13 @@ def recommend(z: torch.Tensor, accepted: torch.Tensor, costs: LlamaCppCosts) -> 
 
 # ------------------------------------------------------------------ measuring llama.cpp
 def target_forward_s(bench: str, target_gguf: Path, ks: list[int], threads: int, depth: int = 256, reps: int = 5) -> list[float]:
-    """llama-bench: seconds for the target's forward over k tokens after `depth` cached ones, per k."""
+    """llama-bench: seconds for the target's forward over k tokens after `depth` cached ones, per k. Weight
+    repacking follows llama-server's LLAMA_ARG_REPACK, so both time the same kernels (0 where ggml's repacked
+    CPU kernels crash, as on an Intel Xeon VM with AMX)."""
     cmd = [bench, "-m", str(target_gguf), "-p", ",".join(map(str, ks)), "-n", "0", "-d", str(depth),
            "-r", str(reps), "-t", str(threads), "-o", "json"]  # fmt: skip
+    if os.environ.get("LLAMA_ARG_REPACK", "").lower() in ("0", "false", "off", "disabled"):
+        cmd += ["--repack", "0"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         raise RuntimeError(f"llama-bench failed ({out.returncode}): {out.stderr.strip()[-500:]}")
