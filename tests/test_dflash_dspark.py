@@ -437,7 +437,7 @@ def test_copy_bias_multiplies_q_by_one_plus_the_context_count_to_the_beta(target
 def test_copy_bias_with_two_tokens_of_context_counts_what_followed_the_pair(target):
     """copy_context 2: q_1 is the plain q_1 times (1 + n)^β for each token that followed (x_{-1}, anchor) n
     times, not what followed the anchor alone; at k = 2 the pair is (anchor, x_1), the draft just made."""
-    from selfdraft.methods.dflash.drafter import DFlashDrafter
+    from selfdraft.methods.dflash.drafter import CopyBias
 
     prompt = [5, 17, 3, 4, 17, 6, 5, 17, 8, 2, 5, 17]  # (5, 17) -> 3, 8; 17 alone -> 3, 6, 8
     params = SamplingParams(temperature=1.0)
@@ -453,7 +453,7 @@ def test_copy_bias_with_two_tokens_of_context_counts_what_followed_the_pair(targ
     want = plain * torch.tensor([(1.0 + {3: 1, 8: 1}.get(v, 0)) ** 2.0 for v in range(V)])
     assert torch.allclose(copied, want / want.sum(), atol=1e-6)
     assert d.follow[(5, 17)] == {3: 1, 8: 1} and d.follow[(17, 6)] == {5: 1}
-    bias = DFlashDrafter.copy_bias([d], [prompt], 1.0, V)
+    bias = CopyBias([d], [prompt], 1.0, V)
     assert torch.equal(bias(torch.tensor([17])).nonzero()[:, 1], torch.tensor([3, 8]))  # k = 1: (5, 17)
     assert torch.equal(bias(torch.tensor([6])).nonzero()[:, 1], torch.tensor([5]))  # k = 2: (17, 6) -> 5
 

@@ -29,13 +29,15 @@ def add_follower_bias(out: torch.Tensor, followers: dict[int, int], column: torc
 
 
 class CopyBias:
-    """decode_blocks' `copy`: called once per draft position k = 1, 2, .. in order with prev [R] = x_{k-1}
-    (x_0 = the anchor) -> [R, V'] float32, β·log(1 + n) on each token that followed the last o tokens
-    (.., x_{k-1}) n times in request r's committed tokens (o = cfg.copy_context); None when no request's
-    context has recurred (nothing to add)."""
+    """DSpark's copy path for R requests' blocks (docs/methods/dspark.md#the-copy-bias), decode_blocks' `copy`:
+    called once per draft position k = 1, 2, .. in order with prev [R] = x_{k-1} (x_0 = the anchor) -> [R, V']
+    float32, β·log(1 + n) on each token that followed the last o tokens (.., x_{k-1}) n times in request r's
+    committed tokens `tokens[r]` (o = cfg.copy_context); None when no request's context has recurred."""
 
-    def __init__(self, drafters: list["DFlashDrafter"], tails: list[list[int]], beta: float, width: int, o: int) -> None:
-        self.drafters, self.tails, self.beta, self.width, self.o = drafters, tails, beta, width, o
+    def __init__(self, drafters: list["DFlashDrafter"], tokens: list[list[int]], beta: float, width: int) -> None:
+        self.o = drafters[0].cfg.copy_context
+        self.drafters, self.beta, self.width = drafters, beta, width
+        self.tails = [list(t[-self.o :]) for t in tokens]  # each request's context, extended by its drafts
         self.started = False  # the first call's prev is the anchor, already the tails' last token
 
     def __call__(self, prev: torch.Tensor) -> torch.Tensor | None:
@@ -137,12 +139,6 @@ class DFlashDrafter(TrainedDrafter):
             row = self.follow.setdefault(tuple(tokens[i - o : i]), {})
             row[tokens[i]] = row.get(tokens[i], 0) + 1
         self.follow_upto = len(tokens)
-
-    @staticmethod
-    def copy_bias(drafters: list["DFlashDrafter"], tokens: list[list[int]], beta: float, width: int) -> "CopyBias":
-        """The copy path of R requests' blocks (docs/methods/dspark.md#the-copy-bias)."""
-        o = drafters[0].cfg.copy_context
-        return CopyBias(drafters, [list(t[-o:]) for t in tokens], beta, width, o)
 
     @property
     def drafts_trees(self) -> bool:
@@ -265,7 +261,7 @@ class DFlashDrafter(TrainedDrafter):
             for r in live:
                 drafters[r].count_followers(tokens[r])
             width = target.vocab_size if vocab is None else vocab.numel()
-            copy = {"copy": DFlashDrafter.copy_bias([drafters[r] for r in live], [tokens[r] for r in live], beta, width)}
+            copy = {"copy": CopyBias([drafters[r] for r in live], [tokens[r] for r in live], beta, width)}
         block = model.decode_blocks(h, U, x0, pick, vocab, admit=admit, **copy)
         n = [min(g_r, block.tokens.shape[1]) for g_r in g]  # drafts kept (with `admit`: those admitted)
         # 3. q_k is exactly what x_k was sampled from (one-hot when greedy: q = None), over all V.

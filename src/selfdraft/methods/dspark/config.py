@@ -35,9 +35,9 @@ class DSparkConfig(DFlashConfig):
     kl_to_tv_tokens: int = knob(100_000, "anneal from soft CE to the TV mix over the first N training tokens (0 = off)")
     # Inference only: the target copies pairs it has seen in the context (induction heads), one draft layer over fused
     # features does not (docs/bench/first-draft-recipe#how-predictable-the-target-is). A count-based copy path adds
-    # β·log(1 + n) to the logit of every token that followed the previous draft token x_{k-1} n times in the request's
-    # committed tokens; q_k stays exactly what x_k is drawn from. Fit β on held-out positions (scripts/first_draft_gauge.py).
-    copy_bias: float = knob(0.0, "inference: + β·log(1 + n) on each token that followed x_{k-1} n times in the context (0 = off)")
+    # β·log(1 + n) to the logit of every token that followed the last copy_context tokens (.., x_{k-1}) n times in the
+    # request's committed tokens; q_k stays exactly what x_k is drawn from. Fit β on held-out positions (scripts/first_draft_gauge.py).
+    copy_bias: float = knob(0.0, "inference: + β·log(1 + n) on each token that followed the last copy_context tokens n times in the context (0 = off)")
     # A match of two tokens (x_{k-2} x_{k-1}) is more precise than one: on held-out positions it lifts the first
     # draft from 0.440 (one token, β 8) to 0.495 (two, β 16) (docs/methods/dspark.md#the-copy-bias).
     copy_context: int = knob(1, "inference: tokens the copy bias matches before x_k (1: x_{k-1}; 2: x_{k-2} x_{k-1}; ..)")
