@@ -195,7 +195,11 @@ def test_llama_cpp_bench_specs(tmp_path, target):
     assert parse_drafter_spec(f"llama.cpp:{src}").llamacpp == "default"
     assert parse_drafter_spec(f"llama.cpp:{src}@0.6").llamacpp == "0.6"
     assert parse_drafter_spec("llama.cpp:plain").llamacpp == "plain"
-    for bad in (f"llama.cpp:{src}@2", f"llama.cpp:{src}@often", f"llama.cpp:{tmp_path}/nothing"):
+    assert (parse_drafter_spec("llama.cpp:ngram").label, parse_drafter_spec("llama.cpp:ngram").llamacpp) == ("llama.cpp-ngram", "ngram")
+    spec = parse_drafter_spec(f"llama.cpp:{src}@rec+ngram")
+    assert (spec.label, spec.source, spec.llamacpp) == ("llama.cpp+dflash@rec+ngram", src, "rec+ngram")
+    assert parse_drafter_spec(f"llama.cpp:{src}+ngram").llamacpp == "default+ngram"
+    for bad in (f"llama.cpp:{src}@2", f"llama.cpp:{src}@often", f"llama.cpp:{tmp_path}/nothing", f"llama.cpp:{src}@rec+suffix"):
         with pytest.raises(ConfigError):
             parse_drafter_spec(bad)
 
@@ -300,8 +304,8 @@ def test_bench_runs_our_drafter_in_llama_cpp_against_a_stand_in_server(target, t
     ps = PromptSet.from_token_ids("p", [[1, 2, 3], [4, 5, 6]])
     cfg = BenchConfig(max_new_tokens=5, gamma=4, progress=False, peers=False)
     specs = [parse_drafter_spec(f"llama.cpp:{src}@0.5"), parse_drafter_spec("llama.cpp:plain")]
-    r = run_bench(target, specs, [ps], cfg)
-    assert r.labels == ["llama.cpp+dflash@0.5", "llama.cpp-plain"]
+    r = run_bench(target, specs + [parse_drafter_spec(f"llama.cpp:{src}@0.5+ngram"), parse_drafter_spec("llama.cpp:ngram")], [ps], cfg)
+    assert r.labels == ["llama.cpp+dflash@0.5", "llama.cpp-plain", "llama.cpp+dflash@0.5+ngram", "llama.cpp-ngram"]
     cell = {c.label: c for c in r.metrics}
     assert cell["llama.cpp+dflash@0.5"].draft_acceptance == pytest.approx(0.4)
     assert cell["llama.cpp-plain"].draft_acceptance is None
@@ -310,6 +314,12 @@ def test_bench_runs_our_drafter_in_llama_cpp_against_a_stand_in_server(target, t
     flag = lambda a, k: a[a.index(k) + 1]  # noqa: E731
     assert (flag(with_md, "--spec-type"), flag(with_md, "--spec-draft-p-min"), flag(with_md, "--spec-draft-n-max")) == \
         ("draft-dflash", "0.5", "4")
+    # +ngram: llama.cpp's n-gram lookup first (match 2 tokens, draft up to γ), the drafter where it finds nothing
+    both = [a for a in argv if "-md" in a][1]
+    assert (flag(both, "--spec-type"), flag(both, "--spec-ngram-simple-size-n"), flag(both, "--spec-ngram-simple-size-m")) == \
+        ("ngram-simple,draft-dflash", "2", "4")
+    assert flag(argv[-1], "--spec-type") == "ngram-simple" and "-md" not in argv[-1]
+    assert "-md" not in argv[1] and "--spec-type" not in argv[1]
     drafter = Path(flag(with_md, "-md"))
     assert drafter.parent == tmp_path / "cache" / "gguf" and drafter.is_file()
     stamp = drafter.stat().st_mtime_ns

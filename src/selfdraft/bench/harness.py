@@ -74,19 +74,23 @@ class DrafterSpec:
     label: str
     source: str  # registry name (none, ngram) or a checkpoint directory
     scheduler: str | None = None  # this runner's --scheduler (None: the run's)
-    llamacpp: str | None = None  # llama.cpp:DIR[@P]: run DIR in llama.cpp; P = "default" | "rec" | a p_min
+    llamacpp: str | None = None  # llama.cpp:DIR[@P[+ngram]]: run DIR in llama.cpp; P = "default" | "rec" | a p_min
 
 
 LLAMA_CPP_PREFIX = "llama.cpp:"
 
 
 def _llamacpp_spec(text: str) -> DrafterSpec:
-    """`llama.cpp:DIR[@default|@rec|@P]`: our drafter in llama.cpp's speculative decoding, at llama.cpp's
+    """`llama.cpp:DIR[@default|@rec|@P][+ngram]`: our drafter in llama.cpp's speculative decoding, at llama.cpp's
     default flags, at the recommended ones (llamacpp/settings.py), or at --spec-draft-p-min P with n_max γ;
-    `llama.cpp:plain`: llama.cpp without a drafter."""
+    `+ngram` puts llama.cpp's n-gram lookup before it (the peer `llama.cpp-ngram`'s: match 2 tokens, draft up
+    to γ; llama.cpp drafts with the model only where the lookup finds nothing);
+    `llama.cpp:plain` / `llama.cpp:ngram`: llama.cpp without a drafter, without and with its n-gram lookup."""
     body = text[len(LLAMA_CPP_PREFIX):]
-    if body == "plain":  # llama.cpp without speculation, as a drafter spec (the peers also bring the HF runners)
-        return DrafterSpec("llama.cpp-plain", "plain", llamacpp="plain")
+    if body in ("plain", "ngram"):  # llama.cpp's own runners as drafter specs (the peers also bring the HF runners)
+        return DrafterSpec(f"llama.cpp-{body}", body, llamacpp=body)
+    ngram = body.endswith("+ngram")
+    body = body.removesuffix("+ngram")
     head, at, how = body.rpartition("@")
     src, how = (head, how) if at else (body, "default")
     if how not in ("default", "rec"):
@@ -94,9 +98,11 @@ def _llamacpp_spec(text: str) -> DrafterSpec:
             if not 0 <= float(how) <= 1:
                 raise ValueError
         except ValueError:
-            raise ConfigError(f"drafter spec {text!r}: after @ give default, rec or a p_min in [0, 1]") from None
+            raise ConfigError(f"drafter spec {text!r}: after @ give default, rec or a p_min in [0, 1], "
+                              f"optionally followed by +ngram") from None
     if not (Path(src).expanduser() / "config.json").is_file():
         raise ConfigError(f"drafter spec {text!r}: {src!r} is not a drafter checkpoint directory")
+    how += "+ngram" if ngram else ""
     return DrafterSpec(f"llama.cpp+{_checkpoint_label(Path(src))}@{how}", src, llamacpp=how)
 
 
@@ -411,7 +417,7 @@ def run_bench(target: "Target", drafters: list[DrafterSpec], datasets: list[Prom
 
 def _llamacpp_runners(target: "Target", cfg: BenchConfig, servers: list) -> list[Runner]:
     """llama.cpp plain and with its n-gram speculation (γ drafts), when installed and the target has a GGUF."""
-    from selfdraft.bench.llamacpp import LLAMA_CPP, LLAMA_CPP_NGRAM, LlamaServer, find_server
+    from selfdraft.bench.llamacpp import LLAMA_CPP, LLAMA_CPP_NGRAM, LlamaServer, find_server, ngram_args
 
     binary, gguf = find_server(), target.gguf_source
     if binary is None or gguf is None:
@@ -428,14 +434,14 @@ def _llamacpp_runners(target: "Target", cfg: BenchConfig, servers: list) -> list
             continue
         servers.append(srv)
 
-        spec = f" --spec-type ngram-simple --spec-ngram-simple-size-m {ngram}" if ngram else ""
+        spec = " --spec-type ngram-simple " + " ".join(ngram_args(ngram)) if ngram else ""
         out.append(_server_runner(label, srv, f"{Path(binary).name} -m {gguf.name}{spec}", cfg))
     return out
 
 
 def _llamacpp_drafter_runner(target: "Target", spec: DrafterSpec, cfg: BenchConfig, servers: list) -> Runner | None:
     """llama.cpp's speculative decoding with our drafter (exported to GGUF once, cached by content)."""
-    from selfdraft.bench.llamacpp import LlamaServer, drafter_args, find_server
+    from selfdraft.bench.llamacpp import LlamaServer, drafter_args, find_server, ngram_args
     from selfdraft.llamacpp.export import cached_gguf
     from selfdraft.llamacpp.settings import recommend_for
 
@@ -445,22 +451,26 @@ def _llamacpp_drafter_runner(target: "Target", spec: DrafterSpec, cfg: BenchConf
                                           "the target has no GGUF file"), file=sys.stderr)  # fmt: skip
         return None
     threads = torch.get_num_threads()
-    if spec.llamacpp == "plain":
-        srv = LlamaServer(binary, target.gguf_source, threads).start()
+    if spec.llamacpp in ("plain", "ngram"):
+        ngram = cfg.gamma if spec.llamacpp == "ngram" else 0
+        srv = LlamaServer(binary, target.gguf_source, threads, ngram).start()
         servers.append(srv)
-        return _server_runner(spec.label, srv, f"{Path(binary).name} -m {target.gguf_source.name}", cfg)
+        flags = " --spec-type ngram-simple " + " ".join(ngram_args(ngram)) if ngram else ""
+        return _server_runner(spec.label, srv, f"{Path(binary).name} -m {target.gguf_source.name}{flags}", cfg)
     rep = cached_gguf(spec.source, target)
-    if spec.llamacpp == "default":
+    how, _, ngram = spec.llamacpp.partition("+")
+    if how == "default":
         n_max, p_min = None, None  # llama.cpp's own: n_max 3, p_min 0
-    elif spec.llamacpp == "rec":
+    elif how == "rec":
         rec = recommend_for(spec.source, rep, target, threads)
         if rec is None:
             print(f"{spec.label} skipped: no recommended settings", file=sys.stderr)
             return None
         n_max, p_min = rec.best.n_max, rec.best.p_min
     else:
-        n_max, p_min = cfg.gamma, float(spec.llamacpp)
-    srv = LlamaServer(binary, target.gguf_source, threads, spec=drafter_args(rep.path, rep.spec_type, threads, n_max, p_min)).start()
+        n_max, p_min = cfg.gamma, float(how)
+    args = drafter_args(rep.path, rep.spec_type, threads, n_max, p_min, ngram=cfg.gamma if ngram else 0)
+    srv = LlamaServer(binary, target.gguf_source, threads, spec=args).start()
     servers.append(srv)
 
     flags = " ".join(rep.path.name if a == str(rep.path) else a for a in srv.spec)  # (no machine paths in reports)

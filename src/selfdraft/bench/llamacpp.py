@@ -76,8 +76,7 @@ class LlamaServer:
         args = [self.binary, "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(self.port),
                 "-t", str(self.threads), "-tb", str(self.threads), "-c", "4096", "-np", "1", "--no-webui"]
         if self.ngram:  # prompt lookup: match the last 2 tokens, draft up to γ (HF's prompt lookup alike)
-            args += ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "2",
-                     "--spec-ngram-simple-size-m", str(self.ngram)]
+            args += ["--spec-type", "ngram-simple", *ngram_args(self.ngram)]
         args += self.spec
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + timeout_s
@@ -115,9 +114,19 @@ class LlamaServer:
         self.proc = None
 
 
-def drafter_args(gguf: Path, spec_type: str, threads: int, n_max: int | None = None, p_min: float | None = None) -> list[str]:
-    """llama-server flags for one of our GGUF drafters; None = llama.cpp's own default."""
-    args = ["-md", str(gguf), "--spec-type", spec_type, "-td", str(threads), "-tbd", str(threads)]
+def ngram_args(m: int) -> list[str]:
+    """llama.cpp's n-gram lookup (`ngram-simple`): match the last 2 tokens, draft the m that followed them."""
+    return ["--spec-ngram-simple-size-n", "2", "--spec-ngram-simple-size-m", str(m)]
+
+
+def drafter_args(gguf: Path, spec_type: str, threads: int, n_max: int | None = None, p_min: float | None = None,
+                 ngram: int = 0) -> list[str]:
+    """llama-server flags for one of our GGUF drafters; None = llama.cpp's own default. ngram > 0: llama.cpp's
+    n-gram lookup (up to `ngram` drafts) first; llama.cpp drafts with the model where the lookup finds nothing."""
+    kinds = f"ngram-simple,{spec_type}" if ngram else spec_type
+    args = ["-md", str(gguf), "--spec-type", kinds, "-td", str(threads), "-tbd", str(threads)]
+    if ngram:
+        args += ngram_args(ngram)
     if n_max is not None:
         args += ["--spec-draft-n-max", str(n_max)]
     if p_min is not None:

@@ -35,7 +35,7 @@ def bench_cmd(
     target_options: TargetOptions,
     suffix,
     out: Path = typer.Option(..., "--out", "-o", help="output dir: results.json, report.md, PNG plots"),
-    drafters: str = typer.Option("none,ngram", "--drafters", help="comma list: NAME (none, ngram, suffix, suffix+tree, suffix+cold) | DIR (checkpoint) | hybrid[+RULE]:DIR | LABEL:any of these, each with an optional @SCHEDULER"),
+    drafters: str = typer.Option("none,ngram", "--drafters", help="comma list: NAME (none, ngram, suffix, suffix+tree, suffix+cold) | DIR (checkpoint) | hybrid[+RULE]:DIR | LABEL:any of these, each with an optional @SCHEDULER; llama.cpp:plain | llama.cpp:ngram | llama.cpp:DIR[@default|@rec|@P][+ngram] (llama.cpp's own decoding, docs/llamacpp.md)"),
     datasets: str = typer.Option("mt-bench,humaneval,gsm8k", "--datasets", help="comma list of bundled names or JSONL paths"),
     num_prompts: int = typer.Option(10, "--num-prompts", help="first N prompts of each dataset"),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
