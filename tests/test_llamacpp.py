@@ -325,3 +325,13 @@ def test_bench_runs_our_drafter_in_llama_cpp_against_a_stand_in_server(target, t
     stamp = drafter.stat().st_mtime_ns
     run_bench(target, specs[:1], [ps], cfg)  # the same checkpoint: the cached file, not a new export
     assert drafter.stat().st_mtime_ns == stamp and len(list(drafter.parent.glob("*.gguf"))) == 1
+    # @rec and @rec+ngram of one checkpoint: its settings measured once, both servers on the same flags
+    import selfdraft.llamacpp.settings as settings
+    from types import SimpleNamespace
+    calls = []
+    monkeypatch.setattr(settings, "recommend_for", lambda *a: calls.append(a) or SimpleNamespace(best=SimpleNamespace(n_max=2, p_min=0.35)))
+    log.write_text("")
+    run_bench(target, [parse_drafter_spec(f"llama.cpp:{src}@rec"), parse_drafter_spec(f"llama.cpp:{src}@rec+ngram")], [ps], cfg)
+    argv = [json.loads(line)["argv"] for line in log.read_text().splitlines()]
+    assert len(calls) == 1 and len(argv) == 2
+    assert [(flag(a, "--spec-draft-n-max"), flag(a, "--spec-draft-p-min")) for a in argv] == [("2", "0.35")] * 2

@@ -402,7 +402,8 @@ def run_bench(target: "Target", drafters: list[DrafterSpec], datasets: list[Prom
                                f"tokens in the target's context of {target.max_context}; lower --max-new-tokens")
 
     servers: list = []
-    runners = [_llamacpp_drafter_runner(target, d, cfg, servers) if d.llamacpp else _our_runner(target, d, cfg)
+    recs: dict = {}  # checkpoint -> its recommended llama.cpp settings, measured once for every @rec runner of it
+    runners = [_llamacpp_drafter_runner(target, d, cfg, servers, recs) if d.llamacpp else _our_runner(target, d, cfg)
                for d in drafters]
     runners = [r for r in runners if r is not None]
     if cfg.peers:
@@ -439,8 +440,10 @@ def _llamacpp_runners(target: "Target", cfg: BenchConfig, servers: list) -> list
     return out
 
 
-def _llamacpp_drafter_runner(target: "Target", spec: DrafterSpec, cfg: BenchConfig, servers: list) -> Runner | None:
-    """llama.cpp's speculative decoding with our drafter (exported to GGUF once, cached by content)."""
+def _llamacpp_drafter_runner(target: "Target", spec: DrafterSpec, cfg: BenchConfig, servers: list,
+                             recs: dict | None = None) -> Runner | None:
+    """llama.cpp's speculative decoding with our drafter (exported to GGUF once, cached by content). `recs` keeps
+    each checkpoint's recommended settings: `@rec` and `@rec+ngram` of one checkpoint run the same flags."""
     from selfdraft.bench.llamacpp import LlamaServer, drafter_args, find_server, ngram_args
     from selfdraft.llamacpp.export import cached_gguf
     from selfdraft.llamacpp.settings import recommend_for
@@ -462,7 +465,10 @@ def _llamacpp_drafter_runner(target: "Target", spec: DrafterSpec, cfg: BenchConf
     if how == "default":
         n_max, p_min = None, None  # llama.cpp's own: n_max 3, p_min 0
     elif how == "rec":
-        rec = recommend_for(spec.source, rep, target, threads)
+        recs = {} if recs is None else recs
+        if spec.source not in recs:
+            recs[spec.source] = recommend_for(spec.source, rep, target, threads)
+        rec = recs[spec.source]
         if rec is None:
             print(f"{spec.label} skipped: no recommended settings", file=sys.stderr)
             return None
