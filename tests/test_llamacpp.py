@@ -320,6 +320,12 @@ def test_bench_runs_our_drafter_in_llama_cpp_against_a_stand_in_server(target, t
         ("ngram-simple,draft-dflash", "2", "4")
     assert flag(argv[-1], "--spec-type") == "ngram-simple" and "-md" not in argv[-1]
     assert "-md" not in argv[1] and "--spec-type" not in argv[1]
+    # the report's command line: files by name (no machine paths), the speculative flags as the server got them
+    shown = {x["label"]: x["source"] for x in r.runners}
+    assert shown["llama.cpp-plain"] == f"llama-server -m {target_gguf.name}"
+    assert shown["llama.cpp-ngram"] == f"llama-server -m {target_gguf.name} --spec-type ngram-simple --spec-ngram-simple-size-n 2 --spec-ngram-simple-size-m 4"
+    assert f"-md {Path(flag(with_md, '-md')).name} --spec-type ngram-simple,draft-dflash" in shown["llama.cpp+dflash@0.5+ngram"]
+    assert all(str(tmp_path) not in v for v in shown.values())
     drafter = Path(flag(with_md, "-md"))
     assert drafter.parent == tmp_path / "cache" / "gguf" and drafter.is_file()
     stamp = drafter.stat().st_mtime_ns

@@ -418,7 +418,7 @@ def run_bench(target: "Target", drafters: list[DrafterSpec], datasets: list[Prom
 
 def _llamacpp_runners(target: "Target", cfg: BenchConfig, servers: list) -> list[Runner]:
     """llama.cpp plain and with its n-gram speculation (γ drafts), when installed and the target has a GGUF."""
-    from selfdraft.bench.llamacpp import LLAMA_CPP, LLAMA_CPP_NGRAM, LlamaServer, find_server, ngram_args
+    from selfdraft.bench.llamacpp import LLAMA_CPP, LLAMA_CPP_NGRAM, LlamaServer, find_server
 
     binary, gguf = find_server(), target.gguf_source
     if binary is None or gguf is None:
@@ -434,9 +434,7 @@ def _llamacpp_runners(target: "Target", cfg: BenchConfig, servers: list) -> list
             print(f"{label} peer skipped: {e}", file=sys.stderr)
             continue
         servers.append(srv)
-
-        spec = " --spec-type ngram-simple " + " ".join(ngram_args(ngram)) if ngram else ""
-        out.append(_server_runner(label, srv, f"{Path(binary).name} -m {gguf.name}{spec}", cfg))
+        out.append(_server_runner(label, srv, srv.describe(), cfg))
     return out
 
 
@@ -444,7 +442,7 @@ def _llamacpp_drafter_runner(target: "Target", spec: DrafterSpec, cfg: BenchConf
                              recs: dict | None = None) -> Runner | None:
     """llama.cpp's speculative decoding with our drafter (exported to GGUF once, cached by content). `recs` keeps
     each checkpoint's recommended settings: `@rec` and `@rec+ngram` of one checkpoint run the same flags."""
-    from selfdraft.bench.llamacpp import LlamaServer, drafter_args, find_server, ngram_args
+    from selfdraft.bench.llamacpp import LlamaServer, drafter_args, find_server
     from selfdraft.llamacpp.export import cached_gguf
     from selfdraft.llamacpp.settings import recommend_for
 
@@ -458,8 +456,7 @@ def _llamacpp_drafter_runner(target: "Target", spec: DrafterSpec, cfg: BenchConf
         ngram = cfg.gamma if spec.llamacpp == "ngram" else 0
         srv = LlamaServer(binary, target.gguf_source, threads, ngram).start()
         servers.append(srv)
-        flags = " --spec-type ngram-simple " + " ".join(ngram_args(ngram)) if ngram else ""
-        return _server_runner(spec.label, srv, f"{Path(binary).name} -m {target.gguf_source.name}{flags}", cfg)
+        return _server_runner(spec.label, srv, srv.describe(), cfg)
     rep = cached_gguf(spec.source, target)
     how, _, ngram = spec.llamacpp.partition("+")
     if how == "default":
@@ -478,9 +475,7 @@ def _llamacpp_drafter_runner(target: "Target", spec: DrafterSpec, cfg: BenchConf
     args = drafter_args(rep.path, rep.spec_type, threads, n_max, p_min, ngram=cfg.gamma if ngram else 0)
     srv = LlamaServer(binary, target.gguf_source, threads, spec=args).start()
     servers.append(srv)
-
-    flags = " ".join(rep.path.name if a == str(rep.path) else a for a in srv.spec)  # (no machine paths in reports)
-    return _server_runner(spec.label, srv, f"{Path(binary).name} -m {target.gguf_source.name} {flags}", cfg)
+    return _server_runner(spec.label, srv, srv.describe(), cfg)
 
 
 def _server_runner(label: str, srv, source: str, cfg: BenchConfig) -> Runner:

@@ -75,9 +75,7 @@ class LlamaServer:
     def start(self, timeout_s: float = 180.0) -> "LlamaServer":
         args = [self.binary, "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(self.port),
                 "-t", str(self.threads), "-tb", str(self.threads), "-c", "4096", "-np", "1", "--no-webui"]
-        if self.ngram:  # prompt lookup: match the last 2 tokens, draft up to γ (HF's prompt lookup alike)
-            args += ["--spec-type", "ngram-simple", *ngram_args(self.ngram)]
-        args += self.spec
+        args += self.speculation()
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -92,6 +90,16 @@ class LlamaServer:
                 time.sleep(0.5)
         self.close()
         raise RuntimeError(f"llama.cpp server not ready after {timeout_s:.0f}s")
+
+    def speculation(self) -> list[str]:
+        """Its speculative flags: the n-gram lookup (match the last 2 tokens, draft up to `ngram`; HF's prompt
+        lookup alike) and/or a drafter's."""
+        return (["--spec-type", "ngram-simple", *ngram_args(self.ngram)] if self.ngram else []) + self.spec
+
+    def describe(self) -> str:
+        """Its command line as reports show it: files by name, no machine paths."""
+        words = [Path(self.binary).name, "-m", Path(self.gguf).name] + self.speculation()
+        return " ".join(Path(w).name if os.sep in w else w for w in words)
 
     def complete(self, ids: list[int], max_new_tokens: int, temperature: float, top_p: float, seed: int) -> dict:
         """POST /completion with token ids -> the server's JSON (tokens, timings)."""
