@@ -434,12 +434,12 @@ def _llamacpp_runners(target: "Target", cfg: BenchConfig, servers: list) -> list
             print(f"{label} peer skipped: {e}", file=sys.stderr)
             continue
         servers.append(srv)
-        out.append(_server_runner(label, srv, srv.describe(), cfg))
+        out.append(_server_runner(label, srv, cfg))
     return out
 
 
 def _llamacpp_drafter_runner(target: "Target", spec: DrafterSpec, cfg: BenchConfig, servers: list,
-                             recs: dict | None = None) -> Runner | None:
+                             recs: dict) -> Runner | None:
     """llama.cpp's speculative decoding with our drafter (exported to GGUF once, cached by content). `recs` keeps
     each checkpoint's recommended settings: `@rec` and `@rec+ngram` of one checkpoint run the same flags."""
     from selfdraft.bench.llamacpp import LlamaServer, drafter_args, find_server
@@ -456,13 +456,12 @@ def _llamacpp_drafter_runner(target: "Target", spec: DrafterSpec, cfg: BenchConf
         ngram = cfg.gamma if spec.llamacpp == "ngram" else 0
         srv = LlamaServer(binary, target.gguf_source, threads, ngram).start()
         servers.append(srv)
-        return _server_runner(spec.label, srv, srv.describe(), cfg)
+        return _server_runner(spec.label, srv, cfg)
     rep = cached_gguf(spec.source, target)
-    how, _, ngram = spec.llamacpp.partition("+")
+    how, lookup_first, _ = spec.llamacpp.partition("+")  # "rec+ngram" -> "rec", "+"
     if how == "default":
         n_max, p_min = None, None  # llama.cpp's own: n_max 3, p_min 0
     elif how == "rec":
-        recs = {} if recs is None else recs
         if spec.source not in recs:
             recs[spec.source] = recommend_for(spec.source, rep, target, threads)
         rec = recs[spec.source]
@@ -472,14 +471,15 @@ def _llamacpp_drafter_runner(target: "Target", spec: DrafterSpec, cfg: BenchConf
         n_max, p_min = rec.best.n_max, rec.best.p_min
     else:
         n_max, p_min = cfg.gamma, float(how)
-    args = drafter_args(rep.path, rep.spec_type, threads, n_max, p_min, ngram=cfg.gamma if ngram else 0)
+    args = drafter_args(rep.path, rep.spec_type, threads, n_max, p_min, ngram=cfg.gamma if lookup_first else 0)
     srv = LlamaServer(binary, target.gguf_source, threads, spec=args).start()
     servers.append(srv)
-    return _server_runner(spec.label, srv, srv.describe(), cfg)
+    return _server_runner(spec.label, srv, cfg)
 
 
-def _server_runner(label: str, srv, source: str, cfg: BenchConfig) -> Runner:
-    """A runner on a started llama-server: one /completion per prompt, its draft counts from the timings."""
+def _server_runner(label: str, srv, cfg: BenchConfig) -> Runner:
+    """A runner on a started llama-server: one /completion per prompt, its draft counts from the timings; its
+    source is the server's command line as reports show it."""
 
     def run(ids: list[int], seed: int, max_new_tokens: int) -> Sample:
         t0 = time.perf_counter()
@@ -490,7 +490,7 @@ def _server_runner(label: str, srv, source: str, cfg: BenchConfig) -> Runner:
         return Sample(label, "", -1, -1, len(new), elapsed, new, finish_reason=finish,
                       drafted=int(t.get("draft_n", 0)) or None, drafts_accepted=int(t.get("draft_n_accepted", 0)))
 
-    return Runner(label, "llama.cpp", source, run)
+    return Runner(label, "llama.cpp", srv.describe(), run)
 
 
 def _run(target: "Target", runners: list[Runner], datasets: list[PromptSet], prompts: list, names: list[str],
